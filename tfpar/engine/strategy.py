@@ -1,0 +1,68 @@
+"""`MeshStrategy`: the thin public face of `MeshExtended`."""
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+
+from tfpar import mesh as mesh_lib
+from tfpar.engine import extended as extended_lib
+
+
+# Subclassing MultiWorkerMirroredStrategy is what makes Keras 3 average
+# metrics and concatenate predictions across workers
+# (keras/src/backend/tensorflow/trainer.py, `_collective_all_reduce_multi_worker`).
+class MeshStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+  """A `tf.distribute.Strategy` whose replicas are device groups of a mesh.
+
+  The base of every tfpar strategy; the logic lives in `MeshExtended`.
+  `num_replicas_in_sync` is the mesh's `data` size and replica `r` runs on
+  `mesh.replica_devices(r)`.
+
+  Args:
+    mesh: a `tfpar.Mesh`. Default: `tfpar.Mesh.from_cluster_resolver()`,
+      every device of the cluster (or of this host) on the `data` axis.
+    communication_options: optional
+      `tf.distribute.experimental.CommunicationOptions`.
+
+  Example:
+
+  >>> import tfpar
+  >>> strategy = tfpar.engine.MeshStrategy(tfpar.Mesh({"data": 2}))
+  >>> strategy.num_replicas_in_sync  # doctest: +SKIP
+  2
+  """
+
+  _extended_class = extended_lib.MeshExtended
+
+  def __init__(self, mesh=None, communication_options=None):
+    if mesh is None:
+      mesh = mesh_lib.Mesh.from_cluster_resolver()
+    if not isinstance(mesh, mesh_lib.Mesh):
+      raise ValueError(
+          f"{type(self).__name__} needs a tfpar.Mesh. Received: mesh={mesh!r}")
+    self._check_mesh(mesh)
+    self._collective_key_base = extended_lib.next_collective_key_base()
+    distribute_lib.Strategy.__init__(
+        self, self._extended_class(self, mesh, communication_options))
+
+  def _check_mesh(self, mesh):
+    """Subclasses reject meshes they cannot run on."""
+    del mesh
+
+  def reduce(self, reduce_op, value, axis):
+    # Keras 3 asks multi-worker strategies for reduce("MEAN", v, axis=0) on
+    # per-replica scalars (its metrics); for a scalar that can only mean
+    # "across replicas".
+    return super().reduce(
+        reduce_op, value, self.extended.effective_reduce_axis(value, axis))
+
+  @property
+  def mesh(self):
+    """The `tfpar.Mesh` this strategy runs on."""
+    return self.extended.mesh
+
+  @property
+  def cluster_resolver(self):
+    return self.extended._cluster_resolver  # pylint: disable=protected-access
+
+  def __repr__(self):
+    return f"{type(self).__name__}({self.mesh!r})"
