@@ -1,23 +1,39 @@
 """tfpar: tensor, pipeline and ZeRO parallelism for TensorFlow / Keras 3.
 
+Public names are loaded on first use, so `tfpar launch` starts without
+importing TensorFlow.
+
 Example:
 
 >>> import tfpar
 >>> strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": -1}))
 """
 
-from tfpar import engine
-from tfpar.callbacks import BackupAndRestore
-from tfpar.callbacks import ModelCheckpoint
-from tfpar.cluster import ClusterLayout
-from tfpar.data_parallel import DataParallelStrategy
-from tfpar.local_devices import configure_virtual_cpus
-from tfpar.mesh import Mesh
-from tfpar.mesh import MeshAxis
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackupAndRestore", "ClusterLayout", "DataParallelStrategy", "Mesh",
-    "MeshAxis", "ModelCheckpoint", "configure_virtual_cpus", "engine",
-]
+_EXPORTS = {
+    "BackupAndRestore": "tfpar.callbacks",
+    "ClusterLayout": "tfpar.cluster",
+    "DataParallelStrategy": "tfpar.data_parallel",
+    "Mesh": "tfpar.mesh",
+    "MeshAxis": "tfpar.mesh",
+    "ModelCheckpoint": "tfpar.callbacks",
+    "configure_virtual_cpus": "tfpar.local_devices",
+}
+_SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+  if name in _SUBMODULES:
+    return importlib.import_module(f"tfpar.{name}")
+  raise AttributeError(f"module 'tfpar' has no attribute {name!r}")
+
+
+def __dir__():
+  return __all__

@@ -23,6 +23,10 @@ def build_parser():
                       help="stop every worker after this many seconds")
   launch.add_argument("--host", default="127.0.0.1",
                       help="address the workers use (default 127.0.0.1)")
+  launch.add_argument("--no-isolate-network", dest="isolate_network",
+                      action="store_false", default=None,
+                      help="do not run the workers in a private loopback-only "
+                      "network namespace")
   launch.add_argument("--module", "-m", action="store_true",
                       help="SCRIPT is a module name, run as python -m SCRIPT")
   launch.add_argument("script", help="the Python script (or module) to run")
@@ -42,7 +46,7 @@ def main(argv=None):
       config = launch_lib.LaunchConfig(
           tuple(command), workers=args.workers,
           devices_per_worker=args.devices_per_worker, host=args.host,
-          timeout=args.timeout)
+          timeout=args.timeout, isolate_network=args.isolate_network)
     except ValueError as e:
       parser.error(str(e))
     return launch_lib.launch(config)

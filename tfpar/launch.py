@@ -17,8 +17,11 @@ import sys
 import threading
 import time
 
-from tfpar import local_devices
+from tfpar import netns
 
+# Read by tfpar.local_devices in each worker (kept here so that the launcher
+# does not import TensorFlow).
+DEVICES_PER_WORKER_ENV = "TFPAR_DEVICES_PER_WORKER"
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
 _GRACE_SECONDS = 5.0
@@ -36,6 +39,9 @@ class LaunchConfig:
     host: the address workers listen on and dial; loopback by default.
     timeout: seconds before every worker is stopped (None: no limit).
     env: extra environment variables for every worker.
+    isolate_network: run the workers in a private loopback-only network
+      namespace (default: when `host` is a loopback address), because
+      TensorFlow's servers listen on every interface.
   """
 
   command: tuple
@@ -44,8 +50,12 @@ class LaunchConfig:
   host: str = "127.0.0.1"
   timeout: float = None
   env: dict = dataclasses.field(default_factory=dict)
+  isolate_network: bool = None
 
   def __post_init__(self):
+    if self.isolate_network is None:
+      object.__setattr__(self, "isolate_network",
+                         self.host in ("127.0.0.1", "localhost", "::1"))
     if not self.command:
       raise ValueError("tfpar launch needs a script to run. Received: none.")
     for name in ("workers", "devices_per_worker"):
@@ -106,33 +116,53 @@ def launch(config, out=None):
   0
   """
   out = out or sys.stdout
-  lock = threading.Lock()
-  processes, pumps = [], []
-  for index, tf_config in enumerate(tf_configs(config.workers, config.host)):
+  if config.isolate_network:
+    if netns.isolation_available():
+      inner = dataclasses.replace(config, isolate_network=False)
+      command = netns.UNSHARE + (sys.executable, "-m", "tfpar.launch",
+                                 json.dumps(dataclasses.asdict(inner)))
+      return _run([command], [dict(os.environ)], [""], config.timeout, out)
+    out.write("tfpar launch: cannot make a private network namespace here; "
+              "TensorFlow's worker servers will listen on all interfaces.\n")
+  envs = []
+  for tf_config in tf_configs(config.workers, config.host):
     env = dict(os.environ, **config.env, TF_CONFIG=tf_config,
                PYTHONUNBUFFERED="1")
     if config.devices_per_worker:
-      env[local_devices.DEVICES_PER_WORKER_ENV] = str(config.devices_per_worker)
+      env[DEVICES_PER_WORKER_ENV] = str(config.devices_per_worker)
+    envs.append(env)
+  prefixes = [f"[worker {index}] " for index in range(config.workers)]
+  return _run([config.command] * config.workers, envs, prefixes,
+              config.timeout, out)
+
+
+def _run(commands, envs, prefixes, timeout, out):
+  """Runs the processes to the end; returns the launcher's exit code."""
+  lock = threading.Lock()
+  processes, pumps = [], []
+  for command, env, prefix in zip(commands, envs, prefixes):
     process = subprocess.Popen(
-        list(config.command), env=env, stdin=subprocess.DEVNULL,
+        list(command), env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
     processes.append(process)
     pump = threading.Thread(target=_pump, daemon=True,
-                            args=(process.stdout, f"[worker {index}] ", out, lock))
+                            args=(process.stdout, prefix, out, lock))
     pump.start()
     pumps.append(pump)
 
-  deadline = None if config.timeout is None else time.monotonic() + config.timeout
+  deadline = None if timeout is None else time.monotonic() + timeout
+  on_main_thread = threading.current_thread() is threading.main_thread()
   previous_sigint = signal.getsignal(signal.SIGINT)
   interrupted = threading.Event()
-  if threading.current_thread() is threading.main_thread():
+  if on_main_thread:
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
   try:
     code = _supervise(processes, deadline, interrupted, out, lock)
   finally:
-    _stop_all(processes, signal.SIGINT if interrupted.is_set() else signal.SIGTERM)
-    if threading.current_thread() is threading.main_thread():
+    _stop_all(processes,
+              signal.SIGINT if interrupted.is_set() else signal.SIGTERM)
+    if on_main_thread:
       signal.signal(signal.SIGINT, previous_sigint)
     for pump in pumps:
       pump.join(timeout=_GRACE_SECONDS)
@@ -147,8 +177,9 @@ def _supervise(processes, deadline, interrupted, out, lock):
     codes = [p.poll() for p in processes]
     for index, code in enumerate(codes):
       if code not in (None, 0):
-        _say(out, lock, f"tfpar launch: worker {index} exited with code "
-             f"{code}; stopping the other workers")
+        if len(processes) > 1:
+          _say(out, lock, f"tfpar launch: worker {index} exited with code "
+               f"{code}; stopping the other workers")
         return code if code > 0 else 128 - code
     if all(code == 0 for code in codes):
       return 0
@@ -188,3 +219,11 @@ def _say(out, lock, line):
   with lock:
     out.write(line + "\n")
     out.flush()
+
+
+if __name__ == "__main__":
+  # Inside the private network namespace made by `launch`.
+  netns.bring_loopback_up()
+  _fields = json.loads(sys.argv[1])
+  _fields["command"] = tuple(_fields["command"])
+  sys.exit(launch(LaunchConfig(**_fields)))

@@ -12,7 +12,9 @@ import os
 
 import tensorflow as tf
 
-DEVICES_PER_WORKER_ENV = "TFPAR_DEVICES_PER_WORKER"
+from tfpar import launch
+
+DEVICES_PER_WORKER_ENV = launch.DEVICES_PER_WORKER_ENV
 
 
 def configure_virtual_cpus(count):

@@ -1,0 +1,167 @@
+"""Step time of `tfpar.DataParallelStrategy` vs stock `MirroredStrategy`.
+
+Trains the same Keras MLP (Dense layers, Adam, synthetic data from a fixed
+seed) in one process with 4 virtual CPUs, under
+`tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}))` and under
+`tf.distribute.MirroredStrategy` on the same 4 CPU devices, with the same
+global batch. Each strategy's model is compiled and warmed up once, then the
+two are measured in alternating runs of `model.fit`. A run's step time is the
+wall time from the start of batch `--skip-steps` to the end of the epoch
+(when Keras has fetched the results), divided by the steps in between, so
+tracing and input-pipeline start-up are left out.
+
+Prints a markdown table with the median step time of each strategy and the
+ratio tfpar / Mirrored measured in the same process.
+
+Run from the repository root:
+
+    python benchmarks/bench_data_parallel_vs_mirrored.py
+    python benchmarks/bench_data_parallel_vs_mirrored.py --runs 5 \
+        --steps 60 --output /tmp/dp_vs_mirrored.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfpar  # pylint: disable=g-import-not-at-top
+
+NUM_DEVICES = 4
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--runs", type=int, default=5,
+                      help="measured runs per strategy (default 5)")
+  parser.add_argument("--steps", type=int, default=60,
+                      help="training steps per run (default 60)")
+  parser.add_argument("--skip-steps", type=int, default=5,
+                      help="steps at the start of each run left untimed")
+  parser.add_argument("--global-batch", type=int, default=256)
+  parser.add_argument("--features", type=int, default=256)
+  parser.add_argument("--hidden", type=int, default=512)
+  parser.add_argument("--classes", type=int, default=10)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--output", help="also write the results as JSON here")
+  args = parser.parse_args(argv)
+  if args.steps <= args.skip_steps:
+    parser.error("--steps must be larger than --skip-steps")
+  return args
+
+
+class StepTimer:
+  """Keras callback: seconds per step after the first `skip` batches."""
+
+  def __init__(self, skip):
+    import keras  # pylint: disable=g-import-not-at-top
+    outer = self
+
+    class _Callback(keras.callbacks.Callback):
+
+      def on_train_batch_begin(self, batch, logs=None):
+        if batch == outer.skip:
+          outer.start = time.perf_counter()
+
+      def on_epoch_end(self, epoch, logs=None):
+        # `logs` are numbers here: every step of the epoch has finished.
+        outer.end = time.perf_counter()
+
+    self.skip = skip
+    self.start = self.end = None
+    self.callback = _Callback()
+
+  def step_time(self, steps):
+    return (self.end - self.start) / (steps - self.skip)
+
+
+def synthetic_data(args, num_samples):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(args.seed)
+  x = rng.standard_normal((num_samples, args.features)).astype("float32")
+  w = rng.standard_normal((args.features, args.classes)).astype("float32")
+  y = (x @ w).argmax(axis=1).astype("int32")
+  return x, y
+
+
+def build_model(strategy, args):
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(args.seed)
+  with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((args.features,)),
+        keras.layers.Dense(args.hidden, activation="relu"),
+        keras.layers.Dense(args.hidden, activation="relu"),
+        keras.layers.Dense(args.classes),
+    ])
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model
+
+
+def timed_fit(model, x, y, args):
+  timer = StepTimer(args.skip_steps)
+  model.fit(x, y, batch_size=args.global_batch, epochs=1, shuffle=False,
+            steps_per_epoch=args.steps, callbacks=[timer.callback], verbose=0)
+  return timer.step_time(args.steps)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  strategies = {
+      "tfpar.DataParallelStrategy":
+          tfpar.DataParallelStrategy(tfpar.Mesh({"data": NUM_DEVICES})),
+      "tf.distribute.MirroredStrategy":
+          tf.distribute.MirroredStrategy(devices=list(devices)),
+  }
+  x, y = synthetic_data(args, args.steps * args.global_batch)
+  models = {name: build_model(s, args) for name, s in strategies.items()}
+  num_params = next(iter(models.values())).count_params()
+  for model in models.values():  # compile + trace, untimed
+    timed_fit(model, x, y, args)
+
+  times = {name: [] for name in models}
+  names = list(models)
+  for run in range(args.runs):
+    order = names if run % 2 == 0 else names[::-1]  # alternate who goes first
+    for name in order:
+      times[name].append(timed_fit(models[name], x, y, args))
+      print(f"run {run + 1}/{args.runs} {name}: "
+            f"{times[name][-1] * 1e3:.2f} ms/step", file=sys.stderr)
+
+  medians = {name: statistics.median(t) for name, t in times.items()}
+  tfpar_name, mirrored_name = names
+  ratio = medians[tfpar_name] / medians[mirrored_name]
+  print(f"\n{NUM_DEVICES} virtual CPUs, MLP with {num_params:,} parameters, "
+        f"global batch {args.global_batch}, {args.steps - args.skip_steps} "
+        f"timed steps per run, {args.runs} runs each\n")
+  print("| strategy | median step time (ms) | min (ms) | max (ms) | runs |")
+  print("|---|---:|---:|---:|---:|")
+  for name, t in times.items():
+    print(f"| `{name}` | {medians[name] * 1e3:.2f} | {min(t) * 1e3:.2f} | "
+          f"{max(t) * 1e3:.2f} | {len(t)} |")
+  print(f"\nratio tfpar / Mirrored (median step time): {ratio:.3f}")
+
+  if args.output:
+    result = {
+        "benchmark": "data_parallel_vs_mirrored", "devices": NUM_DEVICES,
+        "num_params": num_params, "global_batch": args.global_batch,
+        "timed_steps_per_run": args.steps - args.skip_steps,
+        "runs": args.runs,
+        "step_times_s": times, "median_step_time_s": medians,
+        "ratio_tfpar_over_mirrored": ratio,
+    }
+    with open(args.output, "w") as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

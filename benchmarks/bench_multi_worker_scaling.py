@@ -1,0 +1,200 @@
+"""Training throughput of 2 loopback workers vs 1 with DataParallelStrategy.
+
+Weak scaling: every worker trains on a fixed per-worker batch, so the global
+batch grows with the number of workers. Each worker is single-threaded
+(intra-op and inter-op parallelism 1, one CPU device) and builds its
+strategy with `tfpar.DataParallelStrategy(tfpar.Mesh.from_cluster_resolver(
+data=-1))` from the `TF_CONFIG` that `tfpar launch` gives it.
+
+The driver (this script without `--worker`) starts itself as workers with
+
+    python -m tfpar launch --workers N --timeout T \
+        benchmarks/bench_multi_worker_scaling.py --worker ...
+
+for N = 2, and as a plain `python ... --worker` process without `TF_CONFIG`
+for N = 1 (a one-task `TF_CONFIG` currently fails in tfpar: the mesh gets
+`/job:worker/...` device names but the strategy takes its single-host path,
+"unknown device"), alternating, `--runs` times each. In every run each
+worker compiles and warms up with one untimed `model.fit`, then runs a
+second `model.fit`; the chief measures samples/second from the start of batch
+`--skip-steps` to the end of that epoch and prints one `BENCH_RESULT {json}`
+line, which the driver parses. The driver prints a markdown table with the
+median throughput of each worker count and the ratio 2-worker / 1-worker.
+
+Run from the repository root:
+
+    python benchmarks/bench_multi_worker_scaling.py
+    python benchmarks/bench_multi_worker_scaling.py --runs 3 --steps 60 \
+        --output /tmp/multi_worker_scaling.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+RESULT_PREFIX = "BENCH_RESULT "
+WORKER_COUNTS = (1, 2)
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--worker", action="store_true",
+                      help="internal: run as one tfpar launch worker")
+  parser.add_argument("--runs", type=int, default=3,
+                      help="launches per worker count (default 3)")
+  parser.add_argument("--steps", type=int, default=60,
+                      help="training steps of the timed fit (default 60)")
+  parser.add_argument("--skip-steps", type=int, default=5,
+                      help="steps at the start of the timed fit left untimed")
+  parser.add_argument("--per-worker-batch", type=int, default=128)
+  parser.add_argument("--features", type=int, default=256)
+  parser.add_argument("--hidden", type=int, default=512)
+  parser.add_argument("--classes", type=int, default=10)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--timeout", type=float, default=180,
+                      help="seconds before tfpar launch stops the workers")
+  parser.add_argument("--output", help="also write the results as JSON here")
+  args = parser.parse_args(argv)
+  if args.steps <= args.skip_steps:
+    parser.error("--steps must be larger than --skip-steps")
+  return args
+
+
+def worker_main(args):
+  """One `tfpar launch` worker: trains, and the chief prints the result."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  # Before any op runs: one thread per worker.
+  tf.config.threading.set_intra_op_parallelism_threads(1)
+  tf.config.threading.set_inter_op_parallelism_threads(1)
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tfpar  # pylint: disable=g-import-not-at-top
+
+  mesh = tfpar.Mesh.from_cluster_resolver(data=-1)
+  strategy = tfpar.DataParallelStrategy(mesh)
+  global_batch = args.per_worker_batch * mesh.num_workers
+
+  rng = np.random.default_rng(args.seed)
+  x = rng.standard_normal(
+      (args.steps * global_batch, args.features)).astype("float32")
+  w = rng.standard_normal((args.features, args.classes)).astype("float32")
+  y = (x @ w).argmax(axis=1).astype("int32")
+
+  keras.utils.set_random_seed(args.seed)
+  with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((args.features,)),
+        keras.layers.Dense(args.hidden, activation="relu"),
+        keras.layers.Dense(args.hidden, activation="relu"),
+        keras.layers.Dense(args.classes),
+    ])
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+  marks = {}
+
+  class Timer(keras.callbacks.Callback):
+
+    def on_train_batch_begin(self, batch, logs=None):
+      if batch == args.skip_steps:
+        marks["start"] = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+      marks["end"] = time.perf_counter()  # every step has finished here
+
+  def fit():
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False,
+              steps_per_epoch=args.steps, callbacks=[Timer()], verbose=0)
+    return marks["end"] - marks["start"]
+
+  fit()  # compile, trace and connect, untimed
+  seconds = fit()
+  timed_steps = args.steps - args.skip_steps
+  if mesh.cluster is None or mesh.cluster.task_index == 0:
+    print(RESULT_PREFIX + json.dumps({
+        "workers": mesh.num_workers,
+        "replicas": strategy.num_replicas_in_sync,
+        "global_batch": global_batch,
+        "timed_steps": timed_steps,
+        "seconds": seconds,
+        "samples_per_second": timed_steps * global_batch / seconds,
+    }), flush=True)
+
+
+def launch_once(num_workers, args):
+  """Runs the workers once; returns the chief's result dict."""
+  worker_args = ["--worker", "--steps", str(args.steps),
+                 "--skip-steps", str(args.skip_steps),
+                 "--per-worker-batch", str(args.per_worker_batch),
+                 "--features", str(args.features), "--hidden", str(args.hidden),
+                 "--classes", str(args.classes), "--seed", str(args.seed)]
+  script = os.path.abspath(__file__)
+  env = dict(os.environ)
+  env.pop("TF_CONFIG", None)
+  if num_workers == 1:  # see the module docstring
+    command = [sys.executable, script] + worker_args
+  else:
+    command = [sys.executable, "-m", "tfpar", "launch",
+               "--workers", str(num_workers), "--timeout", str(args.timeout),
+               script] + worker_args
+  proc = subprocess.run(command, capture_output=True, text=True, env=env,
+                        timeout=args.timeout + 30, check=False)
+  for line in proc.stdout.splitlines():
+    _, found, payload = line.partition(RESULT_PREFIX)
+    if found and proc.returncode == 0:
+      return json.loads(payload)
+  sys.exit(f"tfpar launch --workers {num_workers} failed with exit code "
+           f"{proc.returncode}; its output ends with:\n"
+           + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
+
+
+def driver_main(args):
+  results = {n: [] for n in WORKER_COUNTS}
+  for run in range(args.runs):
+    order = WORKER_COUNTS if run % 2 == 0 else WORKER_COUNTS[::-1]
+    for n in order:
+      results[n].append(launch_once(n, args))
+      print(f"run {run + 1}/{args.runs} workers={n}: "
+            f"{results[n][-1]['samples_per_second']:.0f} samples/s",
+            file=sys.stderr, flush=True)
+
+  throughput = {n: [r["samples_per_second"] for r in results[n]]
+                for n in WORKER_COUNTS}
+  medians = {n: statistics.median(t) for n, t in throughput.items()}
+  ratio = medians[2] / medians[1]
+  print(f"\nweak scaling on loopback, single-threaded workers, "
+        f"per-worker batch {args.per_worker_batch}, "
+        f"{args.steps - args.skip_steps} timed steps per run, "
+        f"{args.runs} runs each\n")
+  print("| workers | global batch | median samples/s | min | max | runs |")
+  print("|---:|---:|---:|---:|---:|---:|")
+  for n in WORKER_COUNTS:
+    t = throughput[n]
+    print(f"| {n} | {results[n][0]['global_batch']} | {medians[n]:.0f} | "
+          f"{min(t):.0f} | {max(t):.0f} | {len(t)} |")
+  print(f"\nratio 2-worker / 1-worker (median samples/s): {ratio:.3f}")
+
+  if args.output:
+    with open(args.output, "w") as f:
+      json.dump({"benchmark": "multi_worker_scaling",
+                 "per_worker_batch": args.per_worker_batch,
+                 "timed_steps_per_run": args.steps - args.skip_steps,
+                 "runs": args.runs,
+                 "results": {str(n): r for n, r in results.items()},
+                 "median_samples_per_second":
+                     {str(n): m for n, m in medians.items()},
+                 "ratio_2_over_1": ratio}, f, indent=2)
+
+
+if __name__ == "__main__":
+  _args = parse_args()
+  if _args.worker:
+    worker_main(_args)
+  else:
+    driver_main(_args)

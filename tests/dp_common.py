@@ -1,0 +1,62 @@
+"""Model, data and one-device reference shared by the data-parallel tests.
+
+Imported by the tests and by the worker script that `tfpar launch` runs, so
+that every layout trains exactly the same model on exactly the same batches.
+"""
+
+import keras
+import numpy as np
+
+FEATURES = 8
+GLOBAL_BATCH = 32
+STEPS_PER_EPOCH = 8
+EPOCHS = 3  # 24 optimizer steps
+
+
+def make_data(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(GLOBAL_BATCH * STEPS_PER_EPOCH, FEATURES))
+  true_w = rng.normal(size=(FEATURES, 1))
+  y = np.tanh(x @ true_w) + 0.1 * rng.normal(size=(len(x), 1))
+  return x.astype("float32"), y.astype("float32")
+
+
+def build_model(seed=1):
+  """A small MLP with deterministic initial weights, compiled with Adam."""
+  model = keras.Sequential([
+      keras.Input((FEATURES,)),
+      keras.layers.Dense(32, activation="relu"),
+      keras.layers.Dense(16, activation="tanh"),
+      keras.layers.Dense(1),
+  ])
+  rng = np.random.default_rng(seed)
+  model.set_weights([0.3 * rng.normal(size=w.shape).astype("float32")
+                     for w in model.get_weights()])
+  model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01),
+                loss="mse", metrics=["mae"])
+  return model
+
+
+def fit(model, x, y, epochs=EPOCHS, **kwargs):
+  """Fits on fixed, unshuffled global batches; returns the history dict."""
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs,
+                      shuffle=False, verbose=0, **kwargs)
+  return history.history
+
+
+def step_losses(model, x, y, epochs=EPOCHS):
+  """Loss of every optimizer step, recorded by a callback."""
+  losses = []
+  # Keras reports the running mean of the epoch; the per-step loss is
+  # recovered from consecutive running means.
+  class Record(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      losses.append((batch, logs["loss"]))
+
+  fit(model, x, y, epochs=epochs, callbacks=[Record()])
+  per_step = []
+  for batch, mean in losses:
+    previous = losses[len(per_step) - 1][1] if batch else 0.0
+    per_step.append(mean * (batch + 1) - previous * batch)
+  return np.array(per_step)
