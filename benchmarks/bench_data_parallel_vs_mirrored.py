@@ -17,7 +17,7 @@ Run from the repository root:
 
     python benchmarks/bench_data_parallel_vs_mirrored.py
     python benchmarks/bench_data_parallel_vs_mirrored.py --runs 5 \
-        --steps 60 --output /tmp/dp_vs_mirrored.json
+        --steps 150 --output /tmp/dp_vs_mirrored.json
 """
 
 import argparse
@@ -38,8 +38,8 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--runs", type=int, default=5,
                       help="measured runs per strategy (default 5)")
-  parser.add_argument("--steps", type=int, default=60,
-                      help="training steps per run (default 60)")
+  parser.add_argument("--steps", type=int, default=150,
+                      help="training steps per run (default 150)")
   parser.add_argument("--skip-steps", type=int, default=5,
                       help="steps at the start of each run left untimed")
   parser.add_argument("--global-batch", type=int, default=256)

@@ -37,8 +37,9 @@ class Mesh:
   """An immutable grid of devices with the axes `data`, `pipeline`, `tensor`.
 
   Args:
-    axis_sizes: `{axis: size}`; axes left out have size 1 and one size may
-      be -1 to take what the devices leave. Default: `{"data": -1}`.
+    axis_sizes: `{axis: size}`; one size may be -1 to take what the devices
+      leave. Axes left out have size 1, except `data`, which is inferred
+      when no size is -1. Default: `{"data": -1}`.
     devices: device names in mesh order. Default: every local GPU, else
       every TPU core, else every logical CPU of this host.
 
@@ -279,6 +280,9 @@ def _resolve_sizes(axis_sizes, num_devices):
           f"(inferred). Received: {axis}={size!r}")
     shape[axis] = int(size)
   inferred = [a for a, n in shape.items() if n == -1]
+  if not inferred and "data" not in axis_sizes and MeshAxis.DATA not in (
+      axis_sizes):
+    shape["data"], inferred = -1, ["data"]
   if len(inferred) > 1:
     raise ValueError(
         f"At most one mesh axis may be -1. Received: {inferred} are all -1.")
