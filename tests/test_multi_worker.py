@@ -1,0 +1,98 @@
+"""DataParallelStrategy across 2 TF_CONFIG workers x 2 virtual CPUs.
+
+The workers are real processes started by `tfpar launch` on loopback ports;
+their results are compared with one-device training in this process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dp_common
+
+TOLERANCE = 1e-5
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "dp_worker.py")
+LAUNCH_TIMEOUT = 240
+
+
+def _launch(*args):
+  command = [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
+             "--devices-per-worker", "2", "--timeout", str(LAUNCH_TIMEOUT),
+             WORKER, *args]
+  return subprocess.run(command, capture_output=True, text=True,
+                        timeout=LAUNCH_TIMEOUT + 60)
+
+
+def _results(out_dir):
+  return [json.load(open(os.path.join(out_dir, f"worker{i}.json")))
+          for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+  x, y = dp_common.make_data()
+  model = dp_common.build_model()
+  history = dp_common.fit(model, x, y, validation_data=(x[:64], y[:64]))
+  return {
+      "history": history,
+      "evaluate": model.evaluate(x, y, batch_size=32, verbose=0),
+      "predict": model.predict(x[:100], batch_size=32, verbose=0),
+      "weights": model.get_weights(),
+  }
+
+
+def _assert_matches_reference(result, reference, epochs=slice(None)):
+  for key in ("loss", "mae", "val_loss", "val_mae"):
+    np.testing.assert_allclose(result["history"][key],
+                               reference["history"][key][epochs],
+                               atol=TOLERANCE, err_msg=key)
+  np.testing.assert_allclose(result["evaluate"], reference["evaluate"],
+                             atol=TOLERANCE)
+  np.testing.assert_allclose(result["predict"], reference["predict"],
+                             atol=TOLERANCE)
+  for got, want in zip(result["weights"], reference["weights"]):
+    np.testing.assert_allclose(got, want, atol=TOLERANCE)
+
+
+def test_two_workers_fit_equals_one_device(tmp_path, reference):
+  run = _launch(str(tmp_path))
+  assert run.returncode == 0, run.stdout[-4000:]
+  assert "[worker 0]" in run.stdout and "[worker 1]" in run.stdout
+  results = _results(tmp_path)
+  assert [r["num_replicas"] for r in results] == [4, 4]
+  assert results[1]["local_devices"] == [
+      "/job:worker/replica:0/task:1/device:CPU:0",
+      "/job:worker/replica:0/task:1/device:CPU:1"]
+  for result in results:
+    _assert_matches_reference(result, reference)
+  # Identical weights on both workers, to the bit.
+  assert results[0]["weights"] == results[1]["weights"]
+  assert results[0]["history"] == results[1]["history"]
+
+  # Weights saved by the chief load into a model with no strategy.
+  model = dp_common.build_model(seed=5)
+  model.load_weights(str(tmp_path / "weights.weights.h5"))
+  x, _ = dp_common.make_data()
+  np.testing.assert_allclose(model.predict(x[:100], verbose=0),
+                             reference["predict"], atol=TOLERANCE)
+
+
+def test_killed_worker_resumes_from_backup(tmp_path, reference):
+  backup = str(tmp_path / "backup")
+  crashed = _launch(str(tmp_path), "--backup", backup, "--die-in-epoch", "2")
+  assert crashed.returncode == 17, crashed.stdout[-4000:]
+  assert "worker 1 exited with code 17" in crashed.stdout
+  assert sorted(os.listdir(backup + "_ckpt")) == ["e1.weights.h5",
+                                                  "e2.weights.h5"]
+  assert not os.path.exists(tmp_path / "worker0.json")
+
+  resumed = _launch(str(tmp_path), "--backup", backup)
+  assert resumed.returncode == 0, resumed.stdout[-4000:]
+  for result in _results(tmp_path):
+    assert len(result["history"]["loss"]) == 1  # Resumed at the third epoch.
+    _assert_matches_reference(result, reference, epochs=slice(2, 3))
+  assert not os.path.exists(backup)  # The chief cleaned up after success.
