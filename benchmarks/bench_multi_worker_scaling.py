@@ -24,7 +24,7 @@ median throughput of each worker count and the ratio 2-worker / 1-worker.
 Run from the repository root:
 
     python benchmarks/bench_multi_worker_scaling.py
-    python benchmarks/bench_multi_worker_scaling.py --runs 3 --steps 150 \
+    python benchmarks/bench_multi_worker_scaling.py --runs 3 --steps 300 \
         --output /tmp/multi_worker_scaling.json
 """
 
@@ -46,8 +46,8 @@ def parse_args(argv=None):
                       help="internal: run as one tfpar launch worker")
   parser.add_argument("--runs", type=int, default=3,
                       help="launches per worker count (default 3)")
-  parser.add_argument("--steps", type=int, default=150,
-                      help="training steps of the timed fit (default 150)")
+  parser.add_argument("--steps", type=int, default=300,
+                      help="training steps of the timed fit (default 300)")
   parser.add_argument("--skip-steps", type=int, default=5,
                       help="steps at the start of the timed fit left untimed")
   parser.add_argument("--per-worker-batch", type=int, default=128)
@@ -149,7 +149,7 @@ def launch_once(num_workers, args):
     _, found, payload = line.partition(RESULT_PREFIX)
     if found and proc.returncode == 0:
       return json.loads(payload)
-  sys.exit(f"tfpar launch --workers {num_workers} failed with exit code "
+  sys.exit(f"the {num_workers}-worker run failed with exit code "
            f"{proc.returncode}; its output ends with:\n"
            + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
 

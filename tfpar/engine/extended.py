@@ -13,7 +13,9 @@ on one host and across `TF_CONFIG` workers, and fixes what stops Keras 3
 per-replica values across workers.
 """
 
+import contextlib
 import itertools
+import os
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
@@ -58,9 +60,13 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
                        cluster_resolver=mesh.cluster.cluster_resolver(),
                        communication_options=options)
     else:
-      super().__init__(container_strategy, cluster_resolver=None,
-                       communication_options=options,
-                       devices=tuple(group[0] for group in self._local_groups))
+      # A local mesh ignores TF_CONFIG, which TF's constructor would parse
+      # again (and fail on when it is set but blank).
+      with _tf_config_hidden():
+        super().__init__(
+            container_strategy, cluster_resolver=None,
+            communication_options=options,
+            devices=tuple(group[0] for group in self._local_groups))
 
   # Called by CollectiveAllReduceExtended._initialize_multi_worker.
   def _initialize_local_devices(self, cluster_resolver, worker_device):
@@ -101,6 +107,16 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
           lambda v: self._reduce_to(reduce_op, v, destinations, options),
           value)
     return super()._reduce_to(reduce_op, value, destinations, options)
+
+
+@contextlib.contextmanager
+def _tf_config_hidden():
+  saved = os.environ.pop("TF_CONFIG", None)
+  try:
+    yield
+  finally:
+    if saved is not None:
+      os.environ["TF_CONFIG"] = saved
 
 
 def _check_replicas_inside_workers(mesh):
