@@ -35,6 +35,13 @@ class ClusterLayout:
     device_type: `"GPU"`, `"TPU"` or `"CPU"`.
     devices_per_task: how many devices each task contributes.
     rpc_layer: the RPC protocol, usually `"grpc"`.
+
+  Example:
+
+  >>> layout = ClusterLayout({"worker": ["h0:2222", "h1:2222"]}, "worker", 1,
+  ...                        (("worker", 0), ("worker", 1)), "GPU", 2)
+  >>> layout.task_devices("worker", 1)[1]
+  '/job:worker/replica:0/task:1/device:GPU:1'
   """
 
   cluster_spec: dict
@@ -134,6 +141,12 @@ def validate_cluster_spec(cluster, task_type, task_id):
 
   Raises:
     ValueError: the spec or the task breaks a rule; the message names it.
+
+  Example:
+
+  >>> validate_cluster_spec({"chief": ["h0:1"], "worker": ["h1:1"]},
+  ...                       "worker", 0)
+  {'chief': ['h0:1'], 'worker': ['h1:1']}
   """
   if isinstance(cluster, tf.train.ClusterSpec):
     cluster = cluster.as_dict()
@@ -199,6 +212,13 @@ def layout_from_resolver(resolver=None):
   Raises:
     ValueError: invalid `TF_CONFIG` or cluster, or a task that holds no
       mesh devices (parameter servers, evaluators).
+
+  Example:
+
+  >>> layout_from_resolver(tf.distribute.cluster_resolver.SimpleClusterResolver(
+  ...     tf.train.ClusterSpec({"worker": ["h0:1", "h1:1"]}), task_type="worker",
+  ...     task_id=1, num_accelerators={"GPU": 4})).task_index
+  1
   """
   if resolver is None or isinstance(
       resolver, tf.distribute.cluster_resolver.TFConfigClusterResolver):
