@@ -11,15 +11,14 @@ The driver (this script without `--worker`) starts itself as workers with
     python -m tfpar launch --workers N --timeout T \
         benchmarks/bench_multi_worker_scaling.py --worker ...
 
-for N = 2, and as a plain `python ... --worker` process without `TF_CONFIG`
-for N = 1 (a one-task `TF_CONFIG` currently fails in tfpar: the mesh gets
-`/job:worker/...` device names but the strategy takes its single-host path,
-"unknown device"), alternating, `--runs` times each. In every run each
+for N = 1 and N = 2, alternating, `--runs` times each. In every run each
 worker compiles and warms up with one untimed `model.fit`, then runs a
 second `model.fit`; the chief measures samples/second from the start of batch
 `--skip-steps` to the end of that epoch and prints one `BENCH_RESULT {json}`
 line, which the driver parses. The driver prints a markdown table with the
-median throughput of each worker count and the ratio 2-worker / 1-worker.
+median throughput of each worker count and the ratio 2-worker / 1-worker,
+both of the medians and as the median of the per-round ratios (the 1- and
+2-worker runs of one round ran back to back).
 
 Run from the repository root:
 
@@ -129,20 +128,16 @@ def worker_main(args):
 
 def launch_once(num_workers, args):
   """Runs the workers once; returns the chief's result dict."""
-  worker_args = ["--worker", "--steps", str(args.steps),
-                 "--skip-steps", str(args.skip_steps),
-                 "--per-worker-batch", str(args.per_worker_batch),
-                 "--features", str(args.features), "--hidden", str(args.hidden),
-                 "--classes", str(args.classes), "--seed", str(args.seed)]
+  worker_args = ["--worker"]
+  for name in ("steps", "skip_steps", "per_worker_batch", "features",
+               "hidden", "classes", "seed"):
+    worker_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
   script = os.path.abspath(__file__)
   env = dict(os.environ)
   env.pop("TF_CONFIG", None)
-  if num_workers == 1:  # see the module docstring
-    command = [sys.executable, script] + worker_args
-  else:
-    command = [sys.executable, "-m", "tfpar", "launch",
-               "--workers", str(num_workers), "--timeout", str(args.timeout),
-               script] + worker_args
+  command = [sys.executable, "-m", "tfpar", "launch",
+             "--workers", str(num_workers), "--timeout", str(args.timeout),
+             script] + worker_args
   proc = subprocess.run(command, capture_output=True, text=True, env=env,
                         timeout=args.timeout + 30, check=False)
   for line in proc.stdout.splitlines():
@@ -168,6 +163,7 @@ def driver_main(args):
                 for n in WORKER_COUNTS}
   medians = {n: statistics.median(t) for n, t in throughput.items()}
   ratio = medians[2] / medians[1]
+  paired = statistics.median(a / b for a, b in zip(throughput[2], throughput[1]))
   print(f"\nweak scaling on loopback, single-threaded workers, "
         f"per-worker batch {args.per_worker_batch}, "
         f"{args.steps - args.skip_steps} timed steps per run, "
@@ -178,7 +174,8 @@ def driver_main(args):
     t = throughput[n]
     print(f"| {n} | {results[n][0]['global_batch']} | {medians[n]:.0f} | "
           f"{min(t):.0f} | {max(t):.0f} | {len(t)} |")
-  print(f"\nratio 2-worker / 1-worker (median samples/s): {ratio:.3f}")
+  print(f"\nratio 2-worker / 1-worker, of the median samples/s: {ratio:.3f}; "
+        f"median of the per-round ratios: {paired:.3f}")
 
   if args.output:
     with open(args.output, "w") as f:
@@ -189,7 +186,8 @@ def driver_main(args):
                  "results": {str(n): r for n, r in results.items()},
                  "median_samples_per_second":
                      {str(n): m for n, m in medians.items()},
-                 "ratio_2_over_1": ratio}, f, indent=2)
+                 "ratio_2_over_1": ratio,
+                 "median_per_round_ratio_2_over_1": paired}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,17 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "dp_worker.py")
 LAUNCH_TIMEOUT = 240
 
 
-def _launch(*args):
-  command = [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
+def _launch(*args, workers=2):
+  command = [sys.executable, "-m", "tfpar", "launch", "--workers", str(workers),
              "--devices-per-worker", "2", "--timeout", str(LAUNCH_TIMEOUT),
              WORKER, *args]
   return subprocess.run(command, capture_output=True, text=True,
                         timeout=LAUNCH_TIMEOUT + 60)
 
 
-def _results(out_dir):
+def _results(out_dir, workers=2):
   return [json.load(open(os.path.join(out_dir, f"worker{i}.json")))
-          for i in range(2)]
+          for i in range(workers)]
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,12 @@ def test_killed_worker_resumes_from_backup(tmp_path, reference):
     assert len(result["history"]["loss"]) == 1  # Resumed at the third epoch.
     _assert_matches_reference(result, reference, epochs=slice(2, 3))
   assert not os.path.exists(backup)  # The chief cleaned up after success.
+
+
+def test_single_task_tf_config_job(tmp_path, reference):
+  run = _launch(str(tmp_path), workers=1)
+  assert run.returncode == 0, run.stdout[-4000:]
+  (result,) = _results(tmp_path, workers=1)
+  assert result["num_replicas"] == 2
+  assert result["local_devices"][0] == "/job:worker/replica:0/task:0/device:CPU:0"
+  _assert_matches_reference(result, reference)

@@ -55,7 +55,7 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
         group for group in mesh.replicas if mesh.is_local(group[0]))
     options = (communication_options or
                tf.distribute.experimental.CommunicationOptions())
-    if mesh.is_multi_worker:
+    if mesh.cluster is not None:  # TF_CONFIG jobs, even of a single task.
       super().__init__(container_strategy,
                        cluster_resolver=mesh.cluster.cluster_resolver(),
                        communication_options=options)
