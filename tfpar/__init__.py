@@ -21,8 +21,19 @@ _EXPORTS = {
     "MeshAxis": "tfpar.mesh",
     "ModelCheckpoint": "tfpar.callbacks",
     "configure_virtual_cpus": "tfpar.local_devices",
+    "ColumnParallel": "tfpar.tensor_parallel",
+    "CommunicationLog": "tfpar.tensor_parallel",
+    "Replicate": "tfpar.tensor_parallel",
+    "RowParallel": "tfpar.tensor_parallel",
+    "ShardedWeight": "tfpar.tensor_parallel",
+    "ShardingPlan": "tfpar.tensor_parallel",
+    "TensorParallelStrategy": "tfpar.tensor_parallel",
+    "VocabParallel": "tfpar.tensor_parallel",
+    "logical_weights": "tfpar.tensor_parallel",
+    "memory_report": "tfpar.memory",
 }
-_SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh")
+_SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh",
+               "tensor_parallel")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

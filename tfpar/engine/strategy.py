@@ -42,7 +42,10 @@ class MeshStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     self._check_mesh(mesh)
     self._collective_key_base = extended_lib.next_collective_key_base()
     distribute_lib.Strategy.__init__(
-        self, self._extended_class(self, mesh, communication_options))
+        self, self._make_extended(mesh, communication_options))
+
+  def _make_extended(self, mesh, communication_options):
+    return self._extended_class(self, mesh, communication_options)
 
   def _check_mesh(self, mesh):
     """Subclasses reject meshes they cannot run on."""

@@ -1,0 +1,248 @@
+"""Resolving a model's layers to layouts: user rules, then built-in plans."""
+
+import keras
+
+from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import styles
+
+# Activations that act on each feature alone, so a column-split output can
+# be activated shard by shard.
+_ELEMENTWISE = frozenset({
+    "linear", "relu", "relu6", "gelu", "silu", "swish", "tanh", "sigmoid",
+    "elu", "selu", "softplus", "softsign", "leaky_relu", "mish", "exponential",
+    "hard_sigmoid", "hard_silu", "hard_swish", "celu",
+})
+
+
+def is_elementwise(activation):
+  """Whether a Keras activation acts on each feature alone."""
+  if activation is None:
+    return True
+  return getattr(activation, "__name__", None) in _ELEMENTWISE
+
+
+def _is_attention(layer):
+  return isinstance(layer, keras.layers.MultiHeadAttention)
+
+
+def _attention_parts(layer):
+  """{role: EinsumDense} of a built MultiHeadAttention."""
+  parts = {"query": layer._query_dense, "key": layer._key_dense,  # pylint: disable=protected-access
+           "value": layer._value_dense, "output": layer._output_dense}  # pylint: disable=protected-access
+  gate = getattr(layer, "_gate_dense", None)
+  if gate is not None:
+    parts["gate"] = gate
+  return parts
+
+
+def _mlp_pairs(model):
+  """{Dense layer: COLUMN or ROW} for Dense -> elementwise -> Dense pairs
+  found in the model's functional graph."""
+  found = {}
+  graph_model = getattr(model, "_functional", None) or model
+  operations = getattr(graph_model, "_operations", None)
+  if operations is None:
+    return found
+  for first in operations:
+    if not (type(first) is keras.layers.Dense and
+            is_elementwise(first.activation)):
+      continue
+    if len(first._inbound_nodes) != 1 or len(first._outbound_nodes) != 1:  # pylint: disable=protected-access
+      continue
+    second = first._outbound_nodes[0].operation  # pylint: disable=protected-access
+    if (type(second) is keras.layers.Dense and second not in found and
+        first not in found and len(second._inbound_nodes) == 1):  # pylint: disable=protected-access
+      found[first] = styles.COLUMN
+      found[second] = styles.ROW
+  return found
+
+
+def _check_divisible(what, size, tensor_size, layer):
+  if size % tensor_size:
+    raise ValueError(
+        f"Layer {layer.name!r}: {what} = {size} is not divisible by the "
+        f"mesh's tensor size {tensor_size}, so it cannot be split evenly "
+        f"over the tensor axis. Choose a tensor size that divides {size} or "
+        f"give the layer tfpar.Replicate().")
+
+
+def _variable(var, style, axis, source):
+  return layouts.VariableLayout(var.path, tuple(var.shape), style, axis,
+                                source)
+
+
+def _projection_layout(layer, kind, style, source, tensor_size):
+  """Layout of a Dense or EinsumDense under COLUMN / ROW / REPLICATE."""
+  kernel, bias = layer.kernel, layer.bias
+  if isinstance(style, styles.Replicate):
+    return layouts.LayerLayout(layer, kind, style, tuple(
+        _variable(v, style, None, source) for v in layer.weights))
+  if getattr(layer, "lora_enabled", False) or getattr(
+      layer, "quantization_mode", None):
+    raise ValueError(
+        f"Layer {layer.name!r} uses LoRA or quantization, which tfpar's "
+        f"{style} does not support. Give it tfpar.Replicate().")
+  letter = None
+  if kind == layouts.DENSE:
+    kernel_axis = 1 if isinstance(style, styles.ColumnParallel) else 0
+    bias_axis = 0
+  else:
+    letter = layouts.einsum_split_letter(layer.equation, style)
+    if letter is None:
+      raise ValueError(
+          f"Layer {layer.name!r} (equation {layer.equation!r}) has no "
+          f"{'output-only' if isinstance(style, styles.ColumnParallel) else 'contracted'}"
+          f" kernel axis for {style}.")
+    _, kernel_letters, output = layouts.einsum_letters(layer.equation)
+    kernel_axis = kernel_letters.index(letter)
+    bias_axis = None
+    if bias is not None and letter in (layer.bias_axes or ""):
+      bias_axis = len(bias.shape) + output.index(letter) - len(output)
+  _check_divisible(
+      f"kernel axis {kernel_axis} ({'output' if isinstance(style, styles.ColumnParallel) else 'input'} features)",
+      kernel.shape[kernel_axis], tensor_size, layer)
+  variables = [_variable(kernel, style, kernel_axis, source)]
+  if bias is not None:
+    split_bias = isinstance(style, styles.ColumnParallel) and (
+        bias_axis is not None)
+    variables.append(_variable(bias, style if split_bias else styles.REPLICATE,
+                               bias_axis if split_bias else None, source))
+  return layouts.LayerLayout(layer, kind, style, tuple(variables), letter)
+
+
+def _user_layer_style(layer, user, expected):
+  """The layer style its user rules imply, or None if no rule touches it.
+
+  `expected` maps each variable path to the style it must have for the
+  layer to be sharded; all-Replicate rules replicate the layer.
+  """
+  given = {path: user[path] for path in expected if path in user}
+  if not given:
+    return None
+  if all(isinstance(s, styles.Replicate) for s, _ in given.values()):
+    return styles.REPLICATE, next(iter(given.values()))[1]
+  for path, (style, source) in given.items():
+    if style != expected[path] and not (
+        isinstance(style, styles.Replicate) and
+        isinstance(expected[path], styles.Replicate)):
+      raise ValueError(
+          f"{source} gives {path!r} the style {style}, which does not fit "
+          f"layer {layer.name!r}: its variables must be "
+          + ", ".join(f"{p} -> {s}" for p, s in expected.items())
+          + " (or all tfpar.Replicate()).")
+  return None, next(iter(given.values()))[1]
+
+
+def _resolve_attention(layer, user, tensor_size, use_builtin):
+  parts = _attention_parts(layer)
+  expected = {}
+  for role, dense in parts.items():
+    kernel_style = styles.ROW if role == "output" else styles.COLUMN
+    expected[dense.kernel.path] = kernel_style
+    if dense.bias is not None:
+      expected[dense.bias.path] = (styles.REPLICATE if role == "output"
+                                   else styles.COLUMN)
+  decided = _user_layer_style(layer, user, expected)
+  if decided is None and not use_builtin:
+    decided = (styles.REPLICATE, "no rule (built-in plans off)")
+  if decided is not None and decided[0] == styles.REPLICATE:
+    return [layouts.LayerLayout(layer, layouts.ATTENTION, styles.REPLICATE,
+                                tuple(_variable(v, styles.REPLICATE, None,
+                                                decided[1])
+                                      for v in layer.weights))]
+  source = decided[1] if decided else "built-in: attention split by heads"
+  _check_divisible("num_heads", layer.num_heads, tensor_size, layer)
+  variables = []
+  for role, dense in parts.items():
+    style = styles.ROW if role == "output" else styles.COLUMN
+    variables.extend(_projection_layout(dense, layouts.EINSUM, style, source,
+                                        tensor_size).variables)
+  return [layouts.LayerLayout(layer, layouts.ATTENTION, styles.COLUMN,
+                              tuple(variables))]
+
+
+def _resolve_projection(layer, kind, user, tensor_size, builtin_style,
+                        builtin_source):
+  expected_by_style = {}
+  for style in (styles.COLUMN, styles.ROW):
+    expected = {layer.kernel.path: style}
+    if layer.bias is not None:
+      expected[layer.bias.path] = style
+    expected_by_style[style] = expected
+  given = {p: user[p] for p in (v.path for v in layer.weights) if p in user}
+  if given:
+    kernel = given.get(layer.kernel.path)
+    if kernel is None:
+      path, (style, source) = next(iter(given.items()))
+      if not isinstance(style, styles.Replicate):
+        raise ValueError(
+            f"{source} gives {path!r} the style {style} but no rule covers "
+            f"{layer.kernel.path!r}: a bias follows its kernel, so give the "
+            f"style to the kernel.")
+      return _projection_layout(layer, kind, styles.REPLICATE, source,
+                                tensor_size)
+    style, source = kernel
+    if isinstance(style, styles.VocabParallel):
+      raise ValueError(f"{source}: VocabParallel applies to Embedding "
+                       f"tables, not to {kind} kernel {layer.kernel.path!r}.")
+    if layer.bias is not None and layer.bias.path in given:
+      bias_style, bias_source = given[layer.bias.path]
+      if bias_style != style:
+        raise ValueError(
+            f"{bias_source} gives {layer.bias.path!r} the style {bias_style} "
+            f"but its kernel is {style}: a bias follows its kernel.")
+    return _projection_layout(layer, kind, style, source, tensor_size)
+  return _projection_layout(layer, kind, builtin_style, builtin_source,
+                            tensor_size)
+
+
+def _resolve_embedding(layer, user, tensor_size, use_builtin):
+  table = layer.embeddings
+  if table.path in user:
+    style, source = user[table.path]
+  elif use_builtin:
+    style, source = styles.VOCAB, "built-in: embedding split on vocabulary"
+  else:
+    style, source = styles.REPLICATE, "no rule (built-in plans off)"
+  if isinstance(style, styles.Replicate):
+    return layouts.LayerLayout(layer, layouts.EMBEDDING, style,
+                               (_variable(table, style, None, source),))
+  if not isinstance(style, styles.VocabParallel):
+    raise ValueError(f"{source} gives embedding table {table.path!r} the "
+                     f"style {style}; tables take tfpar.VocabParallel() or "
+                     f"tfpar.Replicate().")
+  _check_divisible("input_dim (vocabulary)", layer.input_dim, tensor_size,
+                   layer)
+  return layouts.LayerLayout(layer, layouts.EMBEDDING, style,
+                             (_variable(table, style, 0, source),))
+
+
+def resolve_layers(model, user, tensor_size, use_builtin=True):
+  """`LayerLayout`s of every Dense, EinsumDense, Embedding and
+  MultiHeadAttention layer of `model` (sharded or not)."""
+  pairs = _mlp_pairs(model) if use_builtin else {}
+  inside_attention = set()
+  resolved = []
+  for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+    if layer in inside_attention or not layer.built:
+      continue
+    if _is_attention(layer):
+      inside_attention.update(layer._flatten_layers(include_self=False))  # pylint: disable=protected-access
+      resolved.extend(_resolve_attention(layer, user, tensor_size,
+                                         use_builtin))
+    elif type(layer) is keras.layers.Embedding:
+      resolved.append(_resolve_embedding(layer, user, tensor_size,
+                                         use_builtin))
+    elif type(layer) is keras.layers.EinsumDense:
+      builtin_style = styles.COLUMN if use_builtin else styles.REPLICATE
+      resolved.append(_resolve_projection(
+          layer, layouts.EINSUM, user, tensor_size, builtin_style,
+          "built-in: standalone EinsumDense" if use_builtin else "no rule"))
+    elif type(layer) is keras.layers.Dense:
+      style = pairs.get(layer, styles.REPLICATE)
+      source = ("built-in: MLP pair" if layer in pairs else
+                "built-in: lone Dense is replicated" if use_builtin else
+                "no rule")
+      resolved.append(_resolve_projection(layer, layouts.DENSE, user,
+                                          tensor_size, style, source))
+  return resolved

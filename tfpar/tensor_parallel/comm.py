@@ -1,0 +1,130 @@
+"""Communication inside one replica's tensor group.
+
+A replica runs on the devices of its `tensor` group; its first device (the
+head) holds the replicated activations and runs the unsharded layers
+(LayerNorm, residual adds), once. Megatron's all-reduce of partial results
+therefore takes two halves here: `reduce` sums the shards' partial results
+onto the head and `broadcast` hands the head's activation to every shard.
+Together they move the same `2 (t - 1) N` bytes per tensor of `N` bytes as
+a ring all-reduce over `t` devices. Every op has a custom gradient that
+places its backward half on the right devices: the gradient of a broadcast
+is a reduce and that of a reduce a broadcast.
+"""
+
+import tensorflow as tf
+
+from tfpar.tensor_parallel import instrument
+
+
+def _copies(values, devices):
+  outs = []
+  for value, device in zip(values, devices):
+    with tf.device(device):
+      outs.append(tf.identity(value))
+  return outs
+
+
+def broadcast(x, devices, layer):
+  """`x` (on the head) copied to every device of the group.
+
+  Args:
+    x: a tensor on `devices[0]`.
+    devices: the group's devices, head first.
+    layer: name for the `CommunicationLog`.
+
+  Returns:
+    A list with one copy of `x` per device.
+  """
+  copies = len(devices) - 1
+  if not x.dtype.is_floating:
+    outs = _copies([x] * len(devices), devices)
+    instrument.record("broadcast", instrument.FORWARD,
+                      instrument.moved_bytes(x, copies), layer, outs[-1])
+    return outs
+
+  @tf.custom_gradient
+  def _broadcast(value):
+    def grad(*upstream):
+      instrument.record("reduce", instrument.BACKWARD,
+                        instrument.moved_bytes(upstream[0], copies), layer)
+      with tf.device(devices[0]):
+        return tf.add_n([u for u in upstream if u is not None])
+    return _copies([value] * len(devices), devices), grad
+
+  outs = _broadcast(x)
+  instrument.record("broadcast", instrument.FORWARD,
+                    instrument.moved_bytes(x, copies), layer, outs[-1])
+  return list(outs)
+
+
+def reduce(parts, devices, layer):
+  """The sum of the per-device `parts`, on the head device."""
+  copies = len(devices) - 1
+
+  @tf.custom_gradient
+  def _reduce(*values):
+    with tf.device(devices[0]):
+      total = tf.add_n(list(values))
+
+    def grad(upstream):
+      instrument.record("broadcast", instrument.BACKWARD,
+                        instrument.moved_bytes(upstream, copies), layer)
+      return _copies([upstream] * len(devices), devices)
+    return total, grad
+
+  total = _reduce(*parts)
+  instrument.record("reduce", instrument.FORWARD,
+                    instrument.moved_bytes(parts[0], copies), layer, total)
+  return total
+
+
+def gather(parts, axis, devices, layer):
+  """The per-device `parts` concatenated along `axis`, on the head."""
+  sizes = [p.shape[axis] for p in parts]
+
+  @tf.custom_gradient
+  def _gather(*values):
+    with tf.device(devices[0]):
+      whole = tf.concat(list(values), axis)
+
+    def grad(upstream):
+      instrument.record("scatter", instrument.BACKWARD,
+                        _remote_bytes(parts), layer)
+      with tf.device(devices[0]):
+        pieces = tf.split(upstream, sizes, axis)
+      return _copies(pieces, devices)
+    return whole, grad
+
+  whole = _gather(*parts)
+  instrument.record("gather", instrument.FORWARD, _remote_bytes(parts), layer,
+                    whole)
+  return whole
+
+
+def scatter(x, axis, devices, layer):
+  """`x` (on the head) split into equal pieces along `axis`, piece k on
+  device k."""
+  count = len(devices)
+
+  @tf.custom_gradient
+  def _scatter(value):
+    with tf.device(devices[0]):
+      pieces = tf.split(value, count, axis)
+
+    def grad(*upstream):
+      instrument.record("gather", instrument.BACKWARD,
+                        _remote_bytes(pieces), layer)
+      with tf.device(devices[0]):
+        return tf.concat(list(upstream), axis)
+    return _copies(pieces, devices), grad
+
+  outs = list(_scatter(x))
+  instrument.record("scatter", instrument.FORWARD, _remote_bytes(outs), layer,
+                    outs[-1])
+  return outs
+
+
+def _remote_bytes(parts):
+  """Bytes of the parts that live off the head (all but the first)."""
+  sizes = [instrument.moved_bytes(p, 1) for p in parts[1:]]
+  return None if None in sizes else sum(sizes)

@@ -1,0 +1,58 @@
+"""The table `ShardingPlan.describe` prints."""
+
+from tfpar.tensor_parallel import styles
+
+
+def _short(device):
+  return device.split("device:")[-1] if "device:" in device else device
+
+
+def describe(plan, model, strategy):
+  """One line per variable: path, full shape, style, shard shape, devices.
+
+  Args:
+    plan: the `ShardingPlan`.
+    model: a built Keras model (sharded or not).
+    strategy: the `TensorParallelStrategy`, or None for the model's own.
+
+  Returns:
+    The table as a string.
+  """
+  if strategy is None:
+    strategy = model.distribute_strategy
+  mesh = getattr(strategy, "mesh", None)
+  if mesh is None or "tensor" not in mesh.shape:
+    raise ValueError(
+        f"describe needs a tfpar.TensorParallelStrategy; model {model.name!r} "
+        f"has {strategy!r}. Pass strategy=.")
+  tensor_size = mesh.shape["tensor"]
+  layer_layouts = getattr(model, "_tfpar_layouts", None)
+  if layer_layouts is None:
+    layer_layouts = plan.resolve(model, tensor_size)
+  by_path = {v.path: v for layout in layer_layouts for v in layout.variables}
+  groups = mesh.replicas
+  rows = [("variable", "full shape", "style", "shard shape", "devices")]
+  from tfpar.tensor_parallel import variables as variables_lib  # pylint: disable=g-import-not-at-top
+  paths = list(variables_lib.logical_weights_paths(model))
+  for path, shape in paths:
+    layout = by_path.get(path)
+    if layout is None or layout.axis is None:
+      style = layout.style if layout is not None else styles.REPLICATE
+      if not isinstance(style, styles.Replicate):
+        style = f"{style} (replicated)"
+      devices = ",".join(_short(g[0]) for g in groups)
+      rows.append((path, str(tuple(shape)), str(style), str(tuple(shape)),
+                   devices))
+      continue
+    devices = " | ".join(
+        f"{k}: " + ",".join(_short(g[k]) for g in groups)
+        for k in range(tensor_size))
+    rows.append((path, str(layout.shape), f"{layout.style} axis {layout.axis}",
+                 str(layout.shard_shape(tensor_size)), devices))
+  widths = [max(len(r[i]) for r in rows) for i in range(5)]
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
+           for r in rows]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  lines.append(f"mesh: data={mesh.shape['data']} tensor={tensor_size}; "
+               f"replica r holds shard k on the k-th device of its group")
+  return "\n".join(lines)

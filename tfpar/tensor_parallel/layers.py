@@ -1,0 +1,249 @@
+"""Tensor-parallel forward passes for stock Keras layers.
+
+`install` replaces a sharded layer's `call` (on that instance only): every
+shard computes on its own device (`compute.on_device`) and the layer
+communicates through `comm`. A column-parallel output is returned gathered
+onto the head, tagged with its shards; a row-parallel layer that receives
+such a tensor uses the shards directly, so TensorFlow prunes the unused
+gather from the traced step (Megatron's f/g pairs).
+"""
+
+import dataclasses
+
+import keras
+from keras import ops
+from keras.src.backend.common import tensor_attributes
+import tensorflow as tf
+
+from tfpar.tensor_parallel import builtin
+from tfpar.tensor_parallel import comm
+from tfpar.tensor_parallel import compute
+from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import styles
+from tfpar.tensor_parallel import variables as variables_lib
+
+_SPLIT_ATTRIBUTE = "_tfpar_split"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  parts: tuple
+  axis: int  # Negative: counted from the last axis.
+  devices: tuple
+
+
+def _tag(tensor, parts, axis, devices):
+  tensor_attributes.set_tensor_attr(
+      tensor, _SPLIT_ATTRIBUTE, _Split(tuple(parts), axis, tuple(devices)))
+  return tensor
+
+
+def _split_parts(tensor, axis, devices):
+  """The shards `tensor` was gathered from, if split the way we need."""
+  split = tensor_attributes.get_tensor_attr(tensor, _SPLIT_ATTRIBUTE)
+  if split is not None and split.axis == axis and split.devices == tuple(
+      devices):
+    return list(split.parts)
+  return None
+
+
+def _shard(weight, index):
+  if isinstance(weight, variables_lib.ShardedWeight):
+    return weight.shards[index]
+  return weight
+
+
+def _project(layer, x, index, equation=None):
+  """Shard `index` of a Dense (equation None) or EinsumDense projection,
+  before any bias that is not split."""
+  kernel = _shard(layer._kernel, index)  # pylint: disable=protected-access
+  y = ops.matmul(x, kernel) if equation is None else ops.einsum(
+      equation, x, kernel)
+  if isinstance(layer.bias, variables_lib.ShardedWeight):
+    y = ops.add(y, layer.bias.shards[index])
+  return y
+
+
+def _finish(layer, y, head):
+  """Adds an unsplit bias and the activation on the head."""
+  with tf.device(head):
+    if layer.bias is not None and not isinstance(
+        layer.bias, variables_lib.ShardedWeight):
+      y = ops.add(y, layer.bias)
+    if layer.activation is not None:
+      y = layer.activation(y)
+  return y
+
+
+def _column(layout, group):
+  layer = layout.layer
+  equation = getattr(layer, "equation", None)
+  if layout.kind == layouts.DENSE:
+    axis = -1
+  else:
+    _, _, output = layouts.einsum_letters(equation)
+    axis = output.index(layout.letter) - len(output)
+  elementwise = builtin.is_elementwise(layer.activation) and not (
+      layer.bias is not None and
+      not isinstance(layer.bias, variables_lib.ShardedWeight))
+
+  def call(inputs, training=None):
+    del training
+    devices = group()
+    xs = comm.broadcast(inputs, devices, layer.name)
+    outs = []
+    for index, device in enumerate(devices):
+      def shard_fn(x, index=index):
+        y = _project(layer, x, index, equation)
+        if elementwise and layer.activation is not None:
+          y = layer.activation(y)
+        return y
+      outs.append(compute.on_device(device, shard_fn, xs[index]))
+    whole = comm.gather(outs, axis, devices, layer.name)
+    if elementwise:
+      return _tag(whole, outs, axis, devices)
+    return _finish(layer, whole, devices[0])
+  return call
+
+
+def _row(layout, group):
+  layer = layout.layer
+  equation = getattr(layer, "equation", None)
+  if layout.kind == layouts.DENSE:
+    axis = -1
+  else:
+    inputs_letters, _, _ = layouts.einsum_letters(equation)
+    axis = inputs_letters.index(layout.letter) - len(inputs_letters)
+
+  def call(inputs, training=None):
+    del training
+    devices = group()
+    xs = _split_parts(inputs, axis, devices)
+    if xs is None:
+      xs = comm.scatter(inputs, axis, devices, layer.name)
+    partial = [
+        compute.on_device(device, lambda x, i=index: _project(
+            layer, x, i, equation), xs[index])
+        for index, device in enumerate(devices)]
+    return _finish(layer, comm.reduce(partial, devices, layer.name),
+                   devices[0])
+  return call
+
+
+def _vocab(layout, group):
+  layer = layout.layer
+  rows = layer.input_dim // len(layer._embeddings.shards)  # pylint: disable=protected-access
+
+  def call(inputs):
+    devices = group()
+    if inputs.dtype not in (tf.int32, tf.int64):
+      inputs = ops.cast(inputs, "int32")
+    ids = comm.broadcast(inputs, devices, layer.name)
+    parts = []
+    for index, device in enumerate(devices):
+      def shard_fn(token_ids, index=index):
+        local = token_ids - index * rows
+        inside = ops.logical_and(local >= 0, local < rows)
+        looked_up = ops.take(layer._embeddings.shards[index],  # pylint: disable=protected-access
+                             ops.where(inside, local, 0), axis=0)
+        return looked_up * ops.cast(inside, looked_up.dtype)[..., None]
+      parts.append(compute.on_device(device, shard_fn, ids[index]))
+    total = comm.reduce(parts, devices, layer.name)
+    with tf.device(devices[0]):
+      return ops.cast(total, layer.compute_dtype)
+  return call
+
+
+def _attention(layout, group):
+  # Mirrors keras.layers.MultiHeadAttention.call, with the projections and
+  # the attention of each head shard on its own device.
+  layer = layout.layer
+  parts = builtin._attention_parts(layer)  # pylint: disable=protected-access
+  backend = keras.src.backend
+
+  def call(query, value, key=None, query_mask=None, value_mask=None,
+           key_mask=None, attention_mask=None, return_attention_scores=False,
+           training=None, use_causal_mask=False):
+    if key is None:
+      key = value
+    query_mask = backend.get_keras_mask(query)
+    for tensor in (query, value, key):
+      backend.set_keras_mask(tensor, None)
+    causal_only = (
+        use_causal_mask and query_mask is None and value_mask is None and
+        key_mask is None and attention_mask is None and
+        layer._sliding_window is None and  # pylint: disable=protected-access
+        type(layer)._compute_attention is  # pylint: disable=protected-access
+        keras.layers.MultiHeadAttention._compute_attention)  # pylint: disable=protected-access
+    if causal_only:
+      attention_mask = None
+    else:
+      attention_mask = layer._compute_attention_mask(  # pylint: disable=protected-access
+          query, value, query_mask=query_mask, value_mask=value_mask,
+          key_mask=key_mask, attention_mask=attention_mask,
+          use_causal_mask=use_causal_mask)
+    extra = {"use_causal_mask": True} if causal_only else {}
+    devices = group()
+    name = layer.name
+    copies = {}
+    for tensor in (query, key, value):
+      if id(tensor) not in copies:
+        copies[id(tensor)] = comm.broadcast(tensor, devices, name)
+    inputs = [copies[id(query)], copies[id(key)], copies[id(value)]]
+    if attention_mask is not None:
+      inputs.append(comm.broadcast(attention_mask, devices, name))
+
+    outs, scores = [], []
+    for index, device in enumerate(devices):
+      def shard_fn(q, k, v, mask=None, index=index):
+        projected = {
+            role: _project(parts[role], x, index, parts[role].equation)
+            for role, x in (("query", q), ("key", k), ("value", v))}
+        output, attention_scores = layer._compute_attention(  # pylint: disable=protected-access
+            projected["query"], projected["key"], projected["value"], mask,
+            training, return_attention_scores, **extra)
+        if "gate" in parts:
+          gate = _project(parts["gate"], q, index, parts["gate"].equation)
+          output = ops.multiply(output, parts["gate"].activation(gate))
+        output = _project(parts["output"], output, index,
+                          parts["output"].equation)
+        if return_attention_scores:
+          return output, attention_scores
+        return output
+      result = compute.on_device(device, shard_fn,
+                                 *[x[index] for x in inputs])
+      if return_attention_scores:
+        outs.append(result[0])
+        scores.append(result[1])
+      else:
+        outs.append(result)
+    output = _finish(parts["output"], comm.reduce(outs, devices, name),
+                     devices[0])
+    if query_mask is not None:
+      backend.set_keras_mask(output, query_mask)
+    if return_attention_scores:
+      return output, comm.gather(scores, 1, devices, name)
+    return output
+  return call
+
+
+_BUILDERS = {
+    (layouts.DENSE, styles.ColumnParallel): _column,
+    (layouts.DENSE, styles.RowParallel): _row,
+    (layouts.EINSUM, styles.ColumnParallel): _column,
+    (layouts.EINSUM, styles.RowParallel): _row,
+    (layouts.EMBEDDING, styles.VocabParallel): _vocab,
+    (layouts.ATTENTION, styles.ColumnParallel): _attention,
+}
+
+
+def install(layer_layout, group):
+  """Makes a sharded layer compute tensor-parallel.
+
+  Args:
+    layer_layout: its `LayerLayout` (variables already sharded).
+    group: a function returning the current replica's devices.
+  """
+  builder = _BUILDERS[(layer_layout.kind, type(layer_layout.style))]
+  object.__setattr__(layer_layout.layer, "call",
+                     builder(layer_layout, group))

@@ -1,0 +1,78 @@
+"""`TensorParallelStrategy`: the thin public face of
+`TensorParallelExtended`."""
+
+from tfpar.engine import strategy as engine_strategy
+from tfpar.tensor_parallel import extended as extended_lib
+from tfpar.tensor_parallel import plan as plan_lib
+
+
+class TensorParallelStrategy(engine_strategy.MeshStrategy):
+  """Megatron-style tensor parallelism for stock Keras 3 models.
+
+  Large weights are split over the mesh's `tensor` axis following a
+  `tfpar.ShardingPlan`; the `data` axis replicates the whole arrangement.
+  `num_replicas_in_sync` is the `data` size and each replica spans one
+  `tensor` group; shard k of a weight lives on the k-th device of every
+  replica. Models created in `strategy.scope()` are sharded when built; the
+  user's model code does not change.
+
+  Args:
+    mesh: a `tfpar.Mesh` with `data` and `tensor` axes (pipeline 1).
+    plan: a `tfpar.ShardingPlan`, a list of `(regex, style)` rules, or None
+      for the built-in plans.
+    sequence_parallel: not supported yet; must be False.
+    communication_options: optional
+      `tf.distribute.experimental.CommunicationOptions`.
+
+  Raises:
+    ValueError: the mesh has a pipeline axis, or a bad plan.
+
+  Example:
+
+  >>> import keras, tfpar  # doctest: +SKIP
+  >>> strategy = tfpar.TensorParallelStrategy(
+  ...     tfpar.Mesh({"data": 2, "tensor": 2}))
+  >>> with strategy.scope():
+  ...   inputs = keras.Input((16,))
+  ...   x = keras.layers.Dense(64, activation="gelu")(inputs)
+  ...   model = keras.Model(inputs, keras.layers.Dense(16)(x))
+  ...   model.compile(optimizer="adam", loss="mse")
+  >>> strategy.describe(model)
+  """
+
+  def __init__(self, mesh=None, plan=None, sequence_parallel=False,
+               communication_options=None):
+    if sequence_parallel:
+      raise ValueError(
+          "sequence_parallel=True is not supported yet by "
+          "tfpar.TensorParallelStrategy; use sequence_parallel=False.")
+    self._plan = plan_lib.as_plan(plan)
+    super().__init__(mesh, communication_options)
+
+  def _make_extended(self, mesh, communication_options):
+    return extended_lib.TensorParallelExtended(self, mesh, self._plan,
+                                               communication_options)
+
+  def _check_mesh(self, mesh):
+    if mesh.shape["pipeline"] != 1:
+      raise ValueError(
+          f"TensorParallelStrategy runs on data x tensor meshes; this mesh "
+          f"has pipeline={mesh.shape['pipeline']}. Use "
+          f"tfpar.PipelineParallelStrategy for pipeline stages.")
+
+  def scope(self):
+    # Keras enters the scope before its symbolic build, which builds the
+    # optimizer: shard first so the optimizer sees the shards.
+    self.extended.shard_pending_models()
+    return super().scope()
+
+  @property
+  def plan(self):
+    """The `tfpar.ShardingPlan`."""
+    return self._plan
+
+  def describe(self, model, print_fn=print):
+    """Prints how every variable of `model` is laid out (see
+    `ShardingPlan.describe`)."""
+    return self._plan.describe(model, self, print_fn=print_fn)
+

@@ -1,0 +1,267 @@
+"""Sharded weights: splitting a built layer's variables over the tensor axis
+and saving them as whole logical tensors."""
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+class ShardedWeight:
+  """The logical (whole) view of one weight split over the `tensor` axis.
+
+  Shard `k` is a Keras variable on the k-th device of every replica. Reading
+  the whole weight (`numpy()`, `value`) concatenates the shards; `assign`
+  splits a whole value into them. Layers compute with the shards directly.
+
+  Args:
+    layout: its `VariableLayout`.
+    shards: the shard Keras variables, in tensor order.
+
+  Example:
+
+  >>> import tfpar  # doctest: +SKIP
+  >>> weight = model.get_layer("up")._kernel  # a ShardedWeight
+  >>> weight.numpy().shape, [s.shape for s in weight.shards]
+  ((8, 16), [(8, 8), (8, 8)])
+  """
+
+  def __init__(self, layout, shards):
+    self.layout = layout
+    self.shards = tuple(shards)
+    for index, shard in enumerate(self.shards):
+      shard._tfpar_shard_of = (self, index)  # pylint: disable=protected-access
+
+  path = property(lambda self: self.layout.path)
+  shape = property(lambda self: tuple(self.layout.shape))
+  axis = property(lambda self: self.layout.axis)
+  dtype = property(lambda self: self.shards[0].dtype)
+  trainable = property(lambda self: self.shards[0].trainable)
+  name = property(lambda self: self.layout.path.split("/")[-1])
+
+  @property
+  def value(self):
+    """The whole weight as one tensor (a gather of the shards)."""
+    return tf.concat([tf.convert_to_tensor(s.value) for s in self.shards],
+                     self.axis)
+
+  def numpy(self):
+    """The whole weight as a NumPy array."""
+    return np.concatenate([s.numpy() for s in self.shards], self.axis)
+
+  def assign(self, value):
+    """Sets the whole weight from a full-shape value."""
+    value = np.asarray(value)
+    if tuple(value.shape) != self.shape:
+      raise ValueError(
+          f"Cannot assign a value of shape {tuple(value.shape)} to sharded "
+          f"weight {self.path!r} of shape {self.shape}.")
+    for shard, piece in zip(self.shards,
+                            np.split(value, len(self.shards), self.axis)):
+      shard.assign(piece)
+
+  def __repr__(self):
+    return (f"<ShardedWeight path={self.path} shape={self.shape} "
+            f"{self.layout.style} axis={self.axis} shards={len(self.shards)}>")
+
+
+def _owners(layer):
+  """{variable path: (owning layer, variable)} inside `layer`."""
+  owners = {}
+  for sub in layer._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    for variable in sub._trainable_variables + sub._non_trainable_variables:  # pylint: disable=protected-access
+      owners[variable.path] = (sub, variable)
+  return owners
+
+
+def shard_layer(layer_layout, tensor_size, shard_scope):
+  """Replaces the split variables of one layer by their shards.
+
+  Args:
+    layer_layout: the layer's `LayerLayout`.
+    tensor_size: the size of the tensor axis.
+    shard_scope: `shard_scope(k)` is a context in which new variables are
+      placed on the k-th device of every replica.
+
+  Returns:
+    {variable path: ShardedWeight or the unsplit Keras variable}.
+  """
+  owners = _owners(layer_layout.layer)
+  logical = {}
+  for variable_layout in layer_layout.variables:
+    owner, variable = owners[variable_layout.path]
+    if variable_layout.axis is None:
+      logical[variable.path] = variable
+      continue
+    pieces = tf.split(tf.convert_to_tensor(variable.value), tensor_size,
+                      variable_layout.axis)
+    shards = []
+    for index, piece in enumerate(pieces):
+      with shard_scope(index):
+        shard = keras.Variable(piece, dtype=variable.dtype,
+                               trainable=variable.trainable,
+                               name=f"{variable.name}_shard{index}")
+      shard._path = f"{variable.path}_shard{index}"  # pylint: disable=protected-access
+      shards.append(shard)
+    weight = ShardedWeight(variable_layout, shards)
+    _replace(owner, variable, weight)
+    logical[variable.path] = weight
+  for owner in {owners[path][0] for path in logical}:
+    _install_logical_saving(owner)
+  return logical
+
+
+def _replace(owner, variable, weight):
+  """Puts `weight`'s shards where `variable` was in `owner`'s variable lists
+  and `weight` where `variable` was among its attributes."""
+  order = getattr(owner, "_tfpar_logical_order", None)
+  if order is None:
+    order = list(owner._trainable_variables + owner._non_trainable_variables)  # pylint: disable=protected-access
+    object.__setattr__(owner, "_tfpar_logical_order", order)
+  order[[i for i, v in enumerate(order) if v is variable][0]] = weight
+  for store in (owner._trainable_variables, owner._non_trainable_variables):  # pylint: disable=protected-access
+    for position, item in enumerate(store):
+      if item is variable:
+        store[position:position + 1] = list(weight.shards)
+        break
+  for attribute, value in list(vars(owner).items()):
+    if value is variable:
+      object.__setattr__(owner, attribute, weight)
+
+
+def _install_logical_saving(owner):
+  """`owner` saves and loads whole logical tensors, in its original order,
+  so checkpoints load into any tensor size or no strategy at all."""
+  if getattr(owner, "_tfpar_saves_logical", False):
+    return
+
+  def save_own_variables(store):
+    for index, item in enumerate(owner._tfpar_logical_order):  # pylint: disable=protected-access
+      store[str(index)] = np.asarray(item.numpy())
+
+  def load_own_variables(store):
+    order = owner._tfpar_logical_order  # pylint: disable=protected-access
+    if len(store.keys()) != len(order):
+      raise ValueError(
+          f"Layer {owner.name!r} has {len(order)} logical weights but the "
+          f"checkpoint lists {len(store.keys())} for it.")
+    for index, item in enumerate(order):
+      item.assign(store[str(index)])
+
+  object.__setattr__(owner, "save_own_variables", save_own_variables)
+  object.__setattr__(owner, "load_own_variables", load_own_variables)
+  object.__setattr__(owner, "_tfpar_saves_logical", True)
+
+
+def sharded_weights(model):
+  """Every `ShardedWeight` of a sharded model, by logical path."""
+  found = {}
+  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    for item in getattr(layer, "_tfpar_logical_order", ()):
+      if isinstance(item, ShardedWeight):
+        found[item.path] = item
+  return found
+
+
+def logical_weights(model):
+  """{path: NumPy array} of every weight of `model`, sharded weights whole.
+
+  The same dictionary an unsharded copy of the model gives, so results can
+  be compared across layouts.
+
+  Args:
+    model: a Keras model, sharded by a `TensorParallelStrategy` or not.
+
+  Example:
+
+  >>> import keras, tfpar
+  >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+  >>> sorted(tfpar.logical_weights(model))
+  ['dense/bias', 'dense/kernel']
+  """
+  result = {}
+  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    order = getattr(layer, "_tfpar_logical_order", None)
+    items = order if order is not None else (
+        layer._trainable_variables + layer._non_trainable_variables)  # pylint: disable=protected-access
+    for item in items:
+      result[item.path] = np.asarray(item.numpy())
+  return result
+
+
+class _LogicalSlot:
+  """The whole-weight view of one optimizer slot of a sharded weight."""
+
+  def __init__(self, slots, axis):
+    self.slots, self.axis = slots, axis
+
+  def numpy(self):
+    return np.concatenate([s.numpy() for s in self.slots], self.axis)
+
+  def assign(self, value):
+    for slot, piece in zip(self.slots,
+                           np.split(np.asarray(value), len(self.slots),
+                                    self.axis)):
+      slot.assign(piece)
+
+
+def _logical_optimizer_entries(optimizer, weights):
+  """The optimizer's variables in the order an unsharded model's optimizer
+  has them: the per-shard slots of a weight become one whole slot."""
+  prefixes = {}
+  for weight in weights.values():
+    for index, shard in enumerate(weight.shards):
+      prefixes[shard.path.replace("/", "_") + "_"] = (weight, index)
+  groups, entries = {}, []
+  for variable in optimizer.variables:
+    owner = next(((w, i, variable.name[len(p):]) for p, (w, i)
+                  in prefixes.items() if variable.name.startswith(p)), None)
+    if owner is None:
+      entries.append(variable)
+      continue
+    weight, index, slot_name = owner
+    key = (weight.path, slot_name)
+    if key not in groups:
+      groups[key] = [None] * len(weight.shards)
+      entries.append(_LogicalSlot(groups[key], weight.axis))
+    groups[key][index] = variable
+  return entries
+
+
+def install_logical_optimizer_saving(optimizer, model):
+  """`optimizer` saves its slots as whole logical tensors (so Adam moments
+  survive a change of tensor size) and loads them back into shards."""
+  if getattr(optimizer, "_tfpar_saves_logical", False):
+    return
+
+  def save_own_variables(store):
+    entries = _logical_optimizer_entries(optimizer, sharded_weights(model))
+    for index, entry in enumerate(entries):
+      store[str(index)] = np.asarray(entry.numpy())
+
+  def load_own_variables(store):
+    entries = _logical_optimizer_entries(optimizer, sharded_weights(model))
+    if len(store.keys()) != len(entries):
+      warnings.warn(
+          f"Skipping variable loading for optimizer {optimizer.name!r}: it "
+          f"has {len(entries)} logical variables and the checkpoint "
+          f"{len(store.keys())}. Build the optimizer first "
+          f"(optimizer.build(model.trainable_variables)).", stacklevel=2)
+      return
+    for index, entry in enumerate(entries):
+      entry.assign(store[str(index)])
+
+  object.__setattr__(optimizer, "save_own_variables", save_own_variables)
+  object.__setattr__(optimizer, "load_own_variables", load_own_variables)
+  object.__setattr__(optimizer, "_tfpar_saves_logical", True)
+
+
+def logical_weights_paths(model):
+  """(path, full shape) of every logical weight of `model`, in order."""
+  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    order = getattr(layer, "_tfpar_logical_order", None)
+    items = order if order is not None else (
+        layer._trainable_variables + layer._non_trainable_variables)  # pylint: disable=protected-access
+    for item in items:
+      yield item.path, tuple(item.shape)
