@@ -27,6 +27,9 @@ def on_device(device, fn, *inputs):
   def _block(*xs):
     with tf.device(device):
       with tf.GradientTape() as tape:
+        # Fresh identities: one tensor passed as several arguments (query,
+        # key and value of self-attention) must get each use's gradient once.
+        xs = [tf.identity(x) for x in xs]
         tape.watch([x for x, d in zip(xs, differentiable) if d])
         result = fn(*xs)
 

@@ -19,6 +19,7 @@ import weakref
 from tfpar.engine import extended as engine_extended
 from tfpar.tensor_parallel import keras_hooks
 from tfpar.tensor_parallel import layers as layers_lib
+from tfpar.tensor_parallel import optimizer as optimizer_lib
 from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel import variables as variables_lib
 
@@ -113,8 +114,8 @@ class TensorParallelExtended(engine_extended.MeshExtended):
       if getattr(model, "_tfpar_layouts", None) is None and model.built:
         self.shard_model(model)
       elif getattr(model, "_tfpar_layouts", None) is not None and (
-          model.optimizer is not None):
-        variables_lib.install_logical_optimizer_saving(model.optimizer, model)
+          getattr(model, "optimizer", None) is not None):
+        optimizer_lib.adopt(model.optimizer, model)
       alive.append(ref)
     self._models = alive
 
@@ -141,15 +142,23 @@ class TensorParallelExtended(engine_extended.MeshExtended):
           f"sharded the model, so its slots have the unsharded shapes. "
           f"Create and build the model inside strategy.scope() before "
           f"training it.")
+    already = tuple(
+        layer._tfpar_layer_layout  # pylint: disable=protected-access
+        for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+        if getattr(layer, "_tfpar_layer_layout", None) is not None)
+    if already:  # Its layers belong to a model sharded before (Sequential).
+      object.__setattr__(model, "_tfpar_layouts", already)
+      return
     layer_layouts = plan_lib.as_plan(self._plan).resolve(
         model, self.tensor_size)
     with self._container_strategy().scope():
       for layout in layer_layouts:
         variables_lib.shard_layer(layout, self.tensor_size, self.tensor_shard)
         layers_lib.install(layout, self.current_group)
+        object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     if optimizer is not None:
-      variables_lib.install_logical_optimizer_saving(optimizer, model)
+      optimizer_lib.adopt(optimizer, model)
 
   # Hooks where Keras hands the strategy control before a model runs.
 

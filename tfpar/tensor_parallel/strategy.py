@@ -62,8 +62,13 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
 
   def scope(self):
     # Keras enters the scope before its symbolic build, which builds the
-    # optimizer: shard first so the optimizer sees the shards.
-    self.extended.shard_pending_models()
+    # optimizer: shard first so the optimizer sees the shards. Not when the
+    # scope is already open: the user may be between building a model and
+    # setting its weights.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if not (tf.distribute.has_strategy() and
+            tf.distribute.get_strategy() is self):
+      self.extended.shard_pending_models()
     return super().scope()
 
   @property

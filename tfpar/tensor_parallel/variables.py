@@ -1,8 +1,6 @@
 """Sharded weights: splitting a built layer's variables over the tensor axis
 and saving them as whole logical tensors."""
 
-import warnings
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -188,73 +186,6 @@ def logical_weights(model):
     for item in items:
       result[item.path] = np.asarray(item.numpy())
   return result
-
-
-class _LogicalSlot:
-  """The whole-weight view of one optimizer slot of a sharded weight."""
-
-  def __init__(self, slots, axis):
-    self.slots, self.axis = slots, axis
-
-  def numpy(self):
-    return np.concatenate([s.numpy() for s in self.slots], self.axis)
-
-  def assign(self, value):
-    for slot, piece in zip(self.slots,
-                           np.split(np.asarray(value), len(self.slots),
-                                    self.axis)):
-      slot.assign(piece)
-
-
-def _logical_optimizer_entries(optimizer, weights):
-  """The optimizer's variables in the order an unsharded model's optimizer
-  has them: the per-shard slots of a weight become one whole slot."""
-  prefixes = {}
-  for weight in weights.values():
-    for index, shard in enumerate(weight.shards):
-      prefixes[shard.path.replace("/", "_") + "_"] = (weight, index)
-  groups, entries = {}, []
-  for variable in optimizer.variables:
-    owner = next(((w, i, variable.name[len(p):]) for p, (w, i)
-                  in prefixes.items() if variable.name.startswith(p)), None)
-    if owner is None:
-      entries.append(variable)
-      continue
-    weight, index, slot_name = owner
-    key = (weight.path, slot_name)
-    if key not in groups:
-      groups[key] = [None] * len(weight.shards)
-      entries.append(_LogicalSlot(groups[key], weight.axis))
-    groups[key][index] = variable
-  return entries
-
-
-def install_logical_optimizer_saving(optimizer, model):
-  """`optimizer` saves its slots as whole logical tensors (so Adam moments
-  survive a change of tensor size) and loads them back into shards."""
-  if getattr(optimizer, "_tfpar_saves_logical", False):
-    return
-
-  def save_own_variables(store):
-    entries = _logical_optimizer_entries(optimizer, sharded_weights(model))
-    for index, entry in enumerate(entries):
-      store[str(index)] = np.asarray(entry.numpy())
-
-  def load_own_variables(store):
-    entries = _logical_optimizer_entries(optimizer, sharded_weights(model))
-    if len(store.keys()) != len(entries):
-      warnings.warn(
-          f"Skipping variable loading for optimizer {optimizer.name!r}: it "
-          f"has {len(entries)} logical variables and the checkpoint "
-          f"{len(store.keys())}. Build the optimizer first "
-          f"(optimizer.build(model.trainable_variables)).", stacklevel=2)
-      return
-    for index, entry in enumerate(entries):
-      entry.assign(store[str(index)])
-
-  object.__setattr__(optimizer, "save_own_variables", save_own_variables)
-  object.__setattr__(optimizer, "load_own_variables", load_own_variables)
-  object.__setattr__(optimizer, "_tfpar_saves_logical", True)
 
 
 def logical_weights_paths(model):

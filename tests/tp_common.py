@@ -1,0 +1,95 @@
+"""Models, data and references shared by the tensor-parallel tests."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+VOCAB = 32
+SEQUENCE = 8
+WIDTH = 16
+HEADS = 4
+BLOCKS = 2
+BATCH = 8
+STEPS = 12
+
+
+def gpt(vocab=VOCAB, heads=HEADS, blocks=BLOCKS, width=WIDTH, seed=3):
+  """A small GPT: token + position embeddings, pre-LayerNorm causal
+  attention and GELU MLP blocks, a LayerNorm and a vocabulary head."""
+  tokens = keras.Input((SEQUENCE,), dtype="int32")
+  x = keras.layers.Embedding(vocab, width, name="tokens")(tokens)
+  positions = keras.ops.zeros_like(tokens) + keras.ops.arange(SEQUENCE)
+  positions = keras.layers.Embedding(SEQUENCE, width, name="positions")(
+      positions)
+  x = x + positions
+  for b in range(blocks):
+    h = keras.layers.LayerNormalization(name=f"block{b}_ln1")(x)
+    h = keras.layers.MultiHeadAttention(heads, width // heads,
+                                        name=f"block{b}_attention")(
+                                            h, h, use_causal_mask=True)
+    x = x + h
+    h = keras.layers.LayerNormalization(name=f"block{b}_ln2")(x)
+    h = keras.layers.Dense(4 * width, activation="gelu",
+                           name=f"block{b}_mlp_in")(h)
+    x = x + keras.layers.Dense(width, name=f"block{b}_mlp_out")(h)
+  x = keras.layers.LayerNormalization(name="final_ln")(x)
+  logits = keras.layers.Dense(vocab, name="lm_head")(x)
+  model = keras.Model(tokens, logits, name="gpt")
+  _deterministic_weights(model, seed)
+  return model
+
+
+def mlp(seed=4):
+  """A plain MLP: two Dense pairs and a head."""
+  model = keras.Sequential([
+      keras.Input((WIDTH,)),
+      keras.layers.Dense(64, activation="relu", name="pair1_in"),
+      keras.layers.Dense(WIDTH, name="pair1_out"),
+      keras.layers.Dense(32, activation="tanh", name="pair2_in"),
+      keras.layers.Dense(4, name="pair2_out"),
+  ], name="mlp")
+  _deterministic_weights(model, seed)
+  return model
+
+
+def _deterministic_weights(model, seed):
+  rng = np.random.default_rng(seed)
+  model.set_weights([0.2 * rng.normal(size=w.shape).astype("float32")
+                     for w in model.get_weights()])
+
+
+def compile_model(model, **optimizer_kwargs):
+  loss = (keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+          if model.name == "gpt" else "mse")
+  model.compile(optimizer=keras.optimizers.Adam(0.01, **optimizer_kwargs),
+                loss=loss)
+  return model
+
+
+def data(model_name, count=BATCH * STEPS, seed=0):
+  """(x, y) arrays: next-token pairs for the GPT, a regression for the MLP."""
+  rng = np.random.default_rng(seed)
+  if model_name == "gpt":
+    text = rng.integers(0, VOCAB, size=(count, SEQUENCE + 1)).astype("int32")
+    return text[:, :-1], text[:, 1:]
+  x = rng.normal(size=(count, WIDTH)).astype("float32")
+  return x, np.tanh(x[:, :4] * 2).astype("float32")
+
+
+def dataset(x, y, batch=BATCH):
+  return tf.data.Dataset.from_tensor_slices((x, y)).batch(
+      batch, drop_remainder=True)
+
+
+def step_losses(model, x, y, epochs=2):
+  """Keras's logged loss after every optimizer step (the running mean of
+  the epoch; equal running means mean equal per-step losses)."""
+  losses = []
+
+  class Record(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      losses.append(logs["loss"])
+
+  model.fit(dataset(x, y), epochs=epochs, verbose=0, callbacks=[Record()])
+  return np.array(losses)
