@@ -1,0 +1,204 @@
+"""TensorParallelStrategy trains the same model as one device.
+
+Each layout trains the GPT and the MLP of tp_common with Adam and gradient
+clipping for 24 steps and is compared with the same model trained without a
+strategy: the loss of every step, every logical weight, evaluate and
+predict.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+import tp_common
+
+LAYOUTS = [{"data": 2, "tensor": 2}, {"data": 1, "tensor": 4}]
+# GPT: global norm clipping; MLP: per-weight norm clipping (over the whole
+# logical weight, not each shard).
+CLIPPING = {"gpt": {"global_clipnorm": 0.5}, "mlp": {"clipnorm": 0.05}}
+BUILDERS = {"gpt": tp_common.gpt, "mlp": tp_common.mlp}
+
+
+def _trained(name, strategy=None):
+  build = lambda: tp_common.compile_model(BUILDERS[name](), **CLIPPING[name])
+  x, y = tp_common.data(name)
+  if strategy is None:
+    model = build()
+  else:
+    with strategy.scope():
+      model = build()
+  losses = tp_common.step_losses(model, x, y)
+  return model, losses
+
+
+@pytest.fixture(scope="module")
+def references():
+  return {name: _trained(name) for name in BUILDERS}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "x".join(
+    f"{k}{v}" for k, v in l.items()))
+def test_trains_like_one_device(references, name, layout):
+  reference, reference_losses = references[name]
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh(layout))
+  model, losses = _trained(name, strategy)
+  assert strategy.num_replicas_in_sync == layout["data"]
+  assert len(losses) == 24
+  np.testing.assert_allclose(losses, reference_losses, atol=1e-5, rtol=0)
+  expected, actual = (tfpar.logical_weights(reference),
+                      tfpar.logical_weights(model))
+  assert sorted(actual) == sorted(expected)
+  for path in expected:
+    np.testing.assert_allclose(actual[path], expected[path], atol=1e-5,
+                               rtol=0, err_msg=path)
+  x, y = tp_common.data(name, count=20, seed=7)  # 20: an uneven last batch.
+  np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0),
+                             reference.predict(x, batch_size=8, verbose=0),
+                             atol=1e-5, rtol=0)
+  np.testing.assert_allclose(
+      model.evaluate(x, y, batch_size=8, verbose=0),
+      reference.evaluate(x, y, batch_size=8, verbose=0), atol=1e-5, rtol=0)
+
+
+def test_shards_live_on_their_devices():
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2,
+                                                      "tensor": 2}))
+  with strategy.scope():
+    model = tp_common.compile_model(tp_common.gpt())
+  x, y = tp_common.data("gpt", count=16)
+  model.fit(tp_common.dataset(x, y), epochs=1, verbose=0)
+  groups = strategy.mesh.replicas
+  kernel = model.get_layer("block0_mlp_in")._kernel  # pylint: disable=protected-access
+  assert isinstance(kernel, tfpar.ShardedWeight)
+  assert kernel.shape == (16, 64)
+  for index, shard in enumerate(kernel.shards):
+    assert shard.shape == (16, 32)
+    assert [c.device for c in shard._value.values] == [  # pylint: disable=protected-access
+        g[index] for g in groups]
+    for slot in model.optimizer.variables:
+      if slot.name.startswith(shard.path.replace("/", "_") + "_"):
+        assert [c.device for c in slot._value.values] == [  # pylint: disable=protected-access
+            g[index] for g in groups]
+
+
+def test_backward_runs_on_the_shard_devices():
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 1,
+                                                      "tensor": 4}))
+  with strategy.scope():
+    model = tp_common.mlp()
+  strategy.extended.shard_pending_models()
+  x, y = tp_common.data("mlp", count=8)
+
+  @tf.function
+  def step(x, y):
+    def replica_step(x, y):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+      return tape.gradient(loss, model.trainable_variables)
+    return strategy.run(replica_step, args=(x, y))
+
+  graph = step.get_concrete_function(tf.constant(x), tf.constant(y)).graph
+  matmuls = {}
+  for op in graph.get_operations():
+    if op.type == "MatMul":
+      matmuls.setdefault(op.device, []).append(op.name)
+  devices = strategy.mesh.replicas[0]
+  # Each device: 4 forward matmuls (one per Dense shard) and the backward
+  # matmuls of its own shards (dW and dx of each), none on another device.
+  counts = [len(matmuls.get(d, [])) for d in devices]
+  assert counts == [counts[0]] * 4, matmuls.keys()
+  assert counts[0] >= 3 * 4
+  gradient_matmuls = [n for d in devices for n in matmuls[d]
+                      if "gradient" in n.lower() or "grad" in n.lower()]
+  assert len(gradient_matmuls) >= 4 * 2 * 4
+  assert sum(counts) == sum(len(v) for v in matmuls.values())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "x".join(
+    f"{k}{v}" for k, v in l.items()))
+def test_megatron_communication_per_step(layout):
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh(layout))
+  with strategy.scope():
+    model = tp_common.compile_model(tp_common.gpt())
+  x, y = tp_common.data("gpt", count=16)
+  with tfpar.CommunicationLog() as log:
+    model.fit(tp_common.dataset(x, y), epochs=1, steps_per_epoch=1,
+              verbose=0)
+  blocks, t = tp_common.BLOCKS, layout["tensor"]
+  embeddings = 2  # Token and position tables, vocabulary-parallel.
+  # Per block Megatron's 2 all-reduces forward and 2 backward; each is a
+  # reduce onto the head and a broadcast from it. No gathers at all.
+  assert log.counts() == {
+      ("broadcast", "forward"): 2 * blocks + embeddings,
+      ("reduce", "forward"): 2 * blocks + embeddings,
+      ("broadcast", "backward"): 2 * blocks + embeddings,
+      ("reduce", "backward"): 2 * blocks,
+  }
+  batch = tp_common.BATCH // layout["data"]
+  activation = batch * tp_common.SEQUENCE * tp_common.WIDTH * 4
+  ids = batch * tp_common.SEQUENCE * 4
+  assert log.bytes() == {
+      ("broadcast", "forward"): (t - 1) * (2 * blocks * activation +
+                                           embeddings * ids),
+      ("reduce", "forward"): (t - 1) * (2 * blocks + embeddings) * activation,
+      ("broadcast", "backward"): (t - 1) * (2 * blocks + embeddings) *
+                                 activation,
+      ("reduce", "backward"): (t - 1) * 2 * blocks * activation,
+  }
+
+
+def test_describe_lists_every_variable():
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2,
+                                                      "tensor": 2}))
+  with strategy.scope():
+    model = tp_common.gpt()
+  text = strategy.describe(model, print_fn=lambda line: None)
+  lines = text.splitlines()
+  assert lines[0].split() == ["variable", "full", "shape", "style", "shard",
+                              "shape", "devices"]
+  rows = {line.split()[0]: line for line in lines[2:-1]}
+  assert sorted(rows) == sorted(v.path for v in tp_common.gpt().weights)
+  assert ("(16, 64)    ColumnParallel axis 1  (16, 32)     "
+          "0: CPU:0,CPU:2 | 1: CPU:1,CPU:3") in rows["block0_mlp_in/kernel"]
+  assert "RowParallel axis 0" in rows["block0_mlp_out/kernel"]
+  assert "Replicate" in rows["block0_mlp_out/bias"]
+  assert "(4, 4, 16)  RowParallel axis 0     (2, 4, 16)" in rows[
+      "block0_attention/attention_output/kernel"]
+  assert "ColumnParallel axis 1  (16, 2, 4)" in rows[
+      "block0_attention/query/kernel"]
+  assert "VocabParallel axis 0   (16, 16)" in rows["tokens/embeddings"]
+  assert "Replicate" in rows["block0_ln1/gamma"]
+  # The same table before and after sharding.
+  model.predict(tp_common.data("gpt", count=8)[0], verbose=0)
+  assert strategy.describe(model, print_fn=lambda line: None) == text
+
+
+def test_memory_report_splits_sharded_weights_and_slots():
+  x, y = tp_common.data("mlp", count=16)
+  reference = tp_common.compile_model(tp_common.mlp())
+  reference.fit(tp_common.dataset(x, y), epochs=1, verbose=0)
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 1,
+                                                      "tensor": 4}))
+  with strategy.scope():
+    model = tp_common.compile_model(tp_common.mlp())
+  model.fit(tp_common.dataset(x, y), epochs=1, verbose=0)
+  one_device = tfpar.memory_report(reference)
+  report = tfpar.memory_report(model)
+  devices = strategy.mesh.replicas[0]
+  assert report.devices == sorted(devices)
+  # Sharded: both Dense pairs' kernels and the column layers' biases.
+  sharded = sum(4 * int(np.prod(model.get_layer(n)._kernel.shape))  # pylint: disable=protected-access
+                for n in ("pair1_in", "pair1_out", "pair2_in", "pair2_out"))
+  sharded += 4 * (64 + 32)
+  replicated = sum(one_device.parameters.values()) - sharded
+  for index, device in enumerate(devices):
+    expected = sharded // 4 + (replicated if index == 0 else 0)
+    assert report.parameters[device] == expected
+    # Adam: two slots per weight; the step counter and learning rate on the
+    # head.
+    slots = 2 * expected
+    assert report.optimizer[device] - slots == (
+        (sum(one_device.optimizer.values()) - 2 * (sharded + replicated))
+        if index == 0 else 0)
