@@ -140,8 +140,8 @@ class TensorParallelExtended(engine_extended.MeshExtended):
       raise ValueError(
           f"The optimizer of model {model.name!r} was built before tfpar "
           f"sharded the model, so its slots have the unsharded shapes. "
-          f"Create and build the model inside strategy.scope() before "
-          f"training it.")
+          f"Build it inside strategy.scope() before compile/fit: give it a "
+          f"keras.Input, or call model.build(input_shape) or model(x).")
     already = tuple(
         layer._tfpar_layer_layout  # pylint: disable=protected-access
         for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
