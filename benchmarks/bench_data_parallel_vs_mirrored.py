@@ -24,14 +24,13 @@ Run from the repository root:
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import common  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 
 NUM_DEVICES = 4
@@ -39,47 +38,12 @@ NUM_DEVICES = 4
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--runs", type=int, default=7,
-                      help="measured runs per strategy (default 7)")
-  parser.add_argument("--steps", type=int, default=100,
-                      help="training steps per run (default 100)")
-  parser.add_argument("--skip-steps", type=int, default=5,
-                      help="steps at the start of each run left untimed")
+  common.add_common_flags(parser, runs=7, steps=100)
   parser.add_argument("--global-batch", type=int, default=256)
   parser.add_argument("--features", type=int, default=256)
   parser.add_argument("--hidden", type=int, default=512)
   parser.add_argument("--classes", type=int, default=10)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--output", help="also write the results as JSON here")
-  args = parser.parse_args(argv)
-  if args.steps <= args.skip_steps:
-    parser.error("--steps must be larger than --skip-steps")
-  return args
-
-
-class StepTimer:
-  """Keras callback: seconds per step after the first `skip` batches."""
-
-  def __init__(self, skip):
-    import keras  # pylint: disable=g-import-not-at-top
-    outer = self
-
-    class _Callback(keras.callbacks.Callback):
-
-      def on_train_batch_begin(self, batch, logs=None):
-        if batch == outer.skip:
-          outer.start = time.perf_counter()
-
-      def on_epoch_end(self, epoch, logs=None):
-        # `logs` are numbers here: every step of the epoch has finished.
-        outer.end = time.perf_counter()
-
-    self.skip = skip
-    self.start = self.end = None
-    self.callback = _Callback()
-
-  def step_time(self, steps):
-    return (self.end - self.start) / (steps - self.skip)
+  return common.parse_checked(parser, argv)
 
 
 def synthetic_data(args, num_samples):
@@ -108,7 +72,7 @@ def build_model(strategy, args):
 
 
 def timed_fit(model, x, y, args):
-  timer = StepTimer(args.skip_steps)
+  timer = common.StepTimer(args.skip_steps)
   model.fit(x, y, batch_size=args.global_batch, epochs=1, shuffle=False,
             steps_per_epoch=args.steps, callbacks=[timer.callback], verbose=0)
   return timer.step_time(args.steps)
@@ -134,17 +98,14 @@ def main(argv=None):
   times = {name: [] for name in models}
   names = list(models)
   for run in range(args.runs):
-    order = names if run % 2 == 0 else names[::-1]  # alternate who goes first
-    for name in order:
+    for name in common.alternating(names, run):
       times[name].append(timed_fit(models[name], x, y, args))
       print(f"run {run + 1}/{args.runs} {name}: "
             f"{times[name][-1] * 1e3:.2f} ms/step", file=sys.stderr)
 
   medians = {name: statistics.median(t) for name, t in times.items()}
   tfpar_name, mirrored_name = names
-  ratio = medians[tfpar_name] / medians[mirrored_name]
-  paired = statistics.median(
-      a / b for a, b in zip(times[tfpar_name], times[mirrored_name]))
+  ratio, paired = common.ratios(times[tfpar_name], times[mirrored_name])
   print(f"\n{NUM_DEVICES} virtual CPUs, MLP with {num_params:,} parameters, "
         f"global batch {args.global_batch}, {args.steps - args.skip_steps} "
         f"timed steps per run, {args.runs} runs each\n")
@@ -166,8 +127,7 @@ def main(argv=None):
         "ratio_tfpar_over_mirrored": ratio,
         "median_per_run_ratio_tfpar_over_mirrored": paired,
     }
-    with open(args.output, "w") as f:
-      json.dump(result, f, indent=2)
+    common.write_json(args.output, result)
 
 
 if __name__ == "__main__":

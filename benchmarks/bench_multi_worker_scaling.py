@@ -33,7 +33,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+
+import common
 
 RESULT_PREFIX = "BENCH_RESULT "
 WORKER_COUNTS = (1, 2)
@@ -43,24 +44,14 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--worker", action="store_true",
                       help="internal: run as one tfpar launch worker")
-  parser.add_argument("--runs", type=int, default=3,
-                      help="launches per worker count (default 3)")
-  parser.add_argument("--steps", type=int, default=300,
-                      help="training steps of the timed fit (default 300)")
-  parser.add_argument("--skip-steps", type=int, default=5,
-                      help="steps at the start of the timed fit left untimed")
+  common.add_common_flags(parser, runs=3, steps=300)
   parser.add_argument("--per-worker-batch", type=int, default=128)
   parser.add_argument("--features", type=int, default=256)
   parser.add_argument("--hidden", type=int, default=512)
   parser.add_argument("--classes", type=int, default=10)
-  parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--timeout", type=float, default=180,
                       help="seconds before tfpar launch stops the workers")
-  parser.add_argument("--output", help="also write the results as JSON here")
-  args = parser.parse_args(argv)
-  if args.steps <= args.skip_steps:
-    parser.error("--steps must be larger than --skip-steps")
-  return args
+  return common.parse_checked(parser, argv)
 
 
 def worker_main(args):
@@ -96,21 +87,12 @@ def worker_main(args):
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
-  marks = {}
-
-  class Timer(keras.callbacks.Callback):
-
-    def on_train_batch_begin(self, batch, logs=None):
-      if batch == args.skip_steps:
-        marks["start"] = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-      marks["end"] = time.perf_counter()  # every step has finished here
-
   def fit():
+    timer = common.StepTimer(args.skip_steps)
     model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False,
-              steps_per_epoch=args.steps, callbacks=[Timer()], verbose=0)
-    return marks["end"] - marks["start"]
+              steps_per_epoch=args.steps, callbacks=[timer.callback],
+              verbose=0)
+    return timer.seconds
 
   fit()  # compile, trace and connect, untimed
   seconds = fit()
@@ -152,8 +134,7 @@ def launch_once(num_workers, args):
 def driver_main(args):
   results = {n: [] for n in WORKER_COUNTS}
   for run in range(args.runs):
-    order = WORKER_COUNTS if run % 2 == 0 else WORKER_COUNTS[::-1]
-    for n in order:
+    for n in common.alternating(WORKER_COUNTS, run):
       results[n].append(launch_once(n, args))
       print(f"run {run + 1}/{args.runs} workers={n}: "
             f"{results[n][-1]['samples_per_second']:.0f} samples/s",
@@ -162,8 +143,7 @@ def driver_main(args):
   throughput = {n: [r["samples_per_second"] for r in results[n]]
                 for n in WORKER_COUNTS}
   medians = {n: statistics.median(t) for n, t in throughput.items()}
-  ratio = medians[2] / medians[1]
-  paired = statistics.median(a / b for a, b in zip(throughput[2], throughput[1]))
+  ratio, paired = common.ratios(throughput[2], throughput[1])
   print(f"\nweak scaling on loopback, single-threaded workers, "
         f"per-worker batch {args.per_worker_batch}, "
         f"{args.steps - args.skip_steps} timed steps per run, "
@@ -177,17 +157,15 @@ def driver_main(args):
   print(f"\nratio 2-worker / 1-worker, of the median samples/s: {ratio:.3f}; "
         f"median of the per-round ratios: {paired:.3f}")
 
-  if args.output:
-    with open(args.output, "w") as f:
-      json.dump({"benchmark": "multi_worker_scaling",
-                 "per_worker_batch": args.per_worker_batch,
-                 "timed_steps_per_run": args.steps - args.skip_steps,
-                 "runs": args.runs,
-                 "results": {str(n): r for n, r in results.items()},
-                 "median_samples_per_second":
-                     {str(n): m for n, m in medians.items()},
-                 "ratio_2_over_1": ratio,
-                 "median_per_round_ratio_2_over_1": paired}, f, indent=2)
+  common.write_json(args.output, {
+      "benchmark": "multi_worker_scaling",
+      "per_worker_batch": args.per_worker_batch,
+      "timed_steps_per_run": args.steps - args.skip_steps,
+      "runs": args.runs,
+      "results": {str(n): r for n, r in results.items()},
+      "median_samples_per_second": {str(n): m for n, m in medians.items()},
+      "ratio_2_over_1": ratio,
+      "median_per_round_ratio_2_over_1": paired})
 
 
 if __name__ == "__main__":

@@ -99,25 +99,38 @@ def test_style_on_an_unshardable_layer_is_an_error():
      r"'tokens': input_dim \(vocabulary\) = 30 is not divisible by the "
      r"mesh's tensor size 4"),
 ])
-def test_indivisible_dimensions_fail_before_training(build, message):
+def test_indivisible_dimensions_fail_when_the_model_is_sharded(build,
+                                                               message):
   strategy = _strategy(tensor=4)
-  with strategy.scope():
-    model = build()
-    model.compile(optimizer="adam", loss="mse")
   with pytest.raises(ValueError, match=message):
-    model.fit(np.zeros((8,) + tuple(model.input_shape[1:]), model.input.dtype),
-              np.zeros((8,) + tuple(model.output_shape[1:])), verbose=0)
+    with strategy.scope():
+      build().compile(optimizer="adam", loss="mse")
 
 
-def test_model_built_only_by_fit_is_refused():
+def test_model_built_by_fit_is_sharded_before_its_first_step():
   strategy = _strategy()
   with strategy.scope():
     model = keras.Sequential([keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(2)])
     model.compile(optimizer="adam", loss="mse")
-  with pytest.raises(ValueError, match=r"Build it inside strategy.scope\(\) "
-                     r"before compile/fit"):
-    model.fit(np.zeros((8, 4)), np.zeros((8, 2)), verbose=0)
+  x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+  model.fit(x, x[:, :2], batch_size=8, epochs=2, verbose=0)
+  assert isinstance(model.layers[0]._kernel, tfpar.ShardedWeight)  # pylint: disable=protected-access
+  plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+      8, activation="relu"), keras.layers.Dense(2)])
+  plain.set_weights(list(tfpar.logical_weights(model).values()))
+  np.testing.assert_allclose(model.predict(x, verbose=0),
+                             plain.predict(x, verbose=0), atol=1e-6)
+
+
+def test_model_first_built_inside_a_step_is_refused():
+  strategy = _strategy()
+  with strategy.scope():
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2)])
+  with pytest.raises(ValueError, match=r"weights would stay replicated. "
+                     r"Build it inside strategy.scope\(\) before"):
+    strategy.run(lambda: model(np.zeros((2, 4), "float32")))
 
 
 def test_bad_strategy_arguments():

@@ -136,12 +136,6 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     """Applies the plan to a built model: splits its variables and makes
     its sharded layers compute tensor-parallel."""
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and optimizer.built:
-      raise ValueError(
-          f"The optimizer of model {model.name!r} was built before tfpar "
-          f"sharded the model, so its slots have the unsharded shapes. "
-          f"Build it inside strategy.scope() before compile/fit: give it a "
-          f"keras.Input, or call model.build(input_shape) or model(x).")
     already = tuple(
         layer._tfpar_layer_layout  # pylint: disable=protected-access
         for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
@@ -157,7 +151,12 @@ class TensorParallelExtended(engine_extended.MeshExtended):
         layers_lib.install(layout, self.current_group)
         object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
-    if optimizer is not None:
+    if optimizer is not None and optimizer.built:
+      # Built for the unsharded weights (e.g. by keras.models.load_model):
+      # move its state to a twin built for the shards.
+      with self._container_strategy().scope():
+        optimizer_lib.rebuild_for_shards(model)
+    elif optimizer is not None:
       optimizer_lib.adopt(optimizer, model)
 
   # Hooks where Keras hands the strategy control before a model runs.

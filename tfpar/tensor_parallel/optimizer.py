@@ -14,46 +14,42 @@ import numpy as np
 from keras.src.optimizers import base_optimizer
 from keras import ops
 
+from tensorflow.python.trackable import data_structures
+
+from tfpar.tensor_parallel.variables import LogicalTensor
 from tfpar.tensor_parallel.variables import sharded_weights
 
 
-class _LogicalSlot:
-  """The whole-weight view of one optimizer slot of a sharded weight."""
-
-  def __init__(self, slots, axis):
-    self.slots, self.axis = slots, axis
-
-  def numpy(self):
-    return np.concatenate([s.numpy() for s in self.slots], self.axis)
-
-  def assign(self, value):
-    for slot, piece in zip(self.slots,
-                           np.split(np.asarray(value), len(self.slots),
-                                    self.axis)):
-      slot.assign(piece)
-
-
-def _logical_optimizer_entries(optimizer, weights):
-  """The optimizer's variables in the order an unsharded model's optimizer
-  has them: the per-shard slots of a weight become one whole slot."""
+def _logical_entries(items, weights):
+  """`items` (optimizer variables, or the model variables it tracks) in the
+  order an unsharded model's optimizer has them: the shards of a weight
+  become the whole weight, the per-shard slots of a weight one whole slot.
+  """
   prefixes = {}
   for weight in weights.values():
     for index, shard in enumerate(weight.shards):
       prefixes[shard.path.replace("/", "_") + "_"] = (weight, index)
   groups, entries = {}, []
-  for variable in optimizer.variables:
-    owner = next(((w, i, variable.name[len(p):]) for p, (w, i)
-                  in prefixes.items() if variable.name.startswith(p)), None)
+  for item in items:
+    shard_of = getattr(item, "_tfpar_shard_of", None)
+    if shard_of is not None:
+      if shard_of[1] == 0:
+        entries.append(shard_of[0])
+      continue
+    name = getattr(item, "name", "")
+    owner = next(((w, i, name[len(p):]) for p, (w, i) in prefixes.items()
+                  if name.startswith(p)), None)
     if owner is None:
-      entries.append(variable)
+      entries.append(item)
       continue
     weight, index, slot_name = owner
     key = (weight.path, slot_name)
     if key not in groups:
-      groups[key] = [None] * len(weight.shards)
-      entries.append(_LogicalSlot(groups[key], weight.axis))
-    groups[key][index] = variable
-  return entries
+      groups[key] = ([None] * len(weight.shards), weight.axis)
+      entries.append(key)
+    groups[key][0][index] = item
+  return [LogicalTensor(*groups[e]) if isinstance(e, tuple) else e
+          for e in entries]
 
 
 def adopt(optimizer, model):
@@ -66,19 +62,43 @@ def adopt(optimizer, model):
   if getattr(optimizer, "_tfpar_adopted", False):
     return
   _install_logical_saving(optimizer, model)
+  _install_logical_checkpoint(optimizer, model)
   _install_logical_clipping(optimizer, model)
   object.__setattr__(optimizer, "_tfpar_adopted", True)
+
+
+def rebuild_for_shards(model):
+  """Replaces `model.optimizer`, built for the weights before sharding, by a
+  twin built for the shards that carries over its whole state.
+
+  Args:
+    model: a model just sharded whose optimizer is built.
+  """
+  old = model.optimizer
+  state = [np.asarray(v.numpy()) for v in old.variables]
+  new = type(old).from_config(old.get_config())
+  adopt(new, model)
+  new.build(model.trainable_variables)
+  entries = _logical_entries(new.variables, sharded_weights(model))
+  if len(entries) != len(state):
+    raise ValueError(
+        f"Cannot carry the state of optimizer {old.name!r} over to the "
+        f"sharded model: it had {len(state)} variables, its sharded twin "
+        f"{len(entries)}.")
+  for entry, value in zip(entries, state):
+    entry.assign(value)
+  model.optimizer = new
 
 
 def _install_logical_saving(optimizer, model):
 
   def save_own_variables(store):
-    entries = _logical_optimizer_entries(optimizer, sharded_weights(model))
+    entries = _logical_entries(optimizer.variables, sharded_weights(model))
     for index, entry in enumerate(entries):
       store[str(index)] = np.asarray(entry.numpy())
 
   def load_own_variables(store):
-    entries = _logical_optimizer_entries(optimizer, sharded_weights(model))
+    entries = _logical_entries(optimizer.variables, sharded_weights(model))
     if len(store.keys()) != len(entries):
       warnings.warn(
           f"Skipping variable loading for optimizer {optimizer.name!r}: it "
@@ -91,6 +111,43 @@ def _install_logical_saving(optimizer, model):
 
   object.__setattr__(optimizer, "save_own_variables", save_own_variables)
   object.__setattr__(optimizer, "load_own_variables", load_own_variables)
+
+
+def _install_logical_checkpoint(optimizer, model):
+  """tf.train.Checkpoint sees the optimizer's variable lists as an unsharded
+  model's optimizer has them (whole weights, whole slots)."""
+  original_children = optimizer._trackable_children  # pylint: disable=protected-access
+  cache = {}  # Checkpointing needs the same objects on every call.
+
+  def logical_lists(children):
+    weights = sharded_weights(model)
+    key = (len(weights),) + tuple(
+        (name, id(child), len(child)) for name, child in children.items()
+        if isinstance(child, list))
+    if cache.get("key") != key:
+      cache.clear()
+      cache["key"] = key
+      cache["lists"] = {}
+      for name, child in children.items():
+        if isinstance(child, list):
+          entries = _logical_entries(child, weights)
+          if any(isinstance(e, LogicalTensor) for e in entries):
+            cache["lists"][name] = data_structures.ListWrapper(entries)
+    return cache["lists"]
+
+  def trackable_children(save_type="checkpoint", **kwargs):
+    children = dict(original_children(save_type, **kwargs))
+    if optimizer.built:
+      children.update(logical_lists(children))
+    return children
+
+  def lookup_dependency(name, cached_dependencies=None):
+    if cached_dependencies and name in cached_dependencies:
+      return cached_dependencies[name]
+    return trackable_children().get(name)
+
+  object.__setattr__(optimizer, "_trackable_children", trackable_children)
+  object.__setattr__(optimizer, "_lookup_dependency", lookup_dependency)
 
 
 def _shard_groups(model):

@@ -4,9 +4,51 @@ and saving them as whole logical tensors."""
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.trackable import base as trackable_base
+
+# The checkpoint key of a variable's value; a whole logical tensor saved
+# under it restores into an unsharded variable and back.
+VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
-class ShardedWeight:
+class LogicalTensor(trackable_base.Trackable):
+  """A whole tensor kept as pieces split along `axis`, saved whole.
+
+  Args:
+    pieces: Keras variables holding the pieces, in order.
+    axis: the axis they are split along.
+  """
+
+  def __init__(self, pieces, axis):
+    self._pieces = list(pieces)
+    self._axis = axis
+
+  def numpy(self):
+    """The whole tensor as a NumPy array."""
+    return np.concatenate([p.numpy() for p in self._pieces], self._axis)
+
+  def assign(self, value):
+    """Sets the whole tensor from a full-shape value."""
+    value = np.asarray(value)
+    for piece, part in zip(self._pieces,
+                           np.split(value, len(self._pieces), self._axis)):
+      if tuple(part.shape) != tuple(piece.shape):
+        raise ValueError(
+            f"Cannot assign a value of shape {tuple(value.shape)} to a "
+            f"tensor split into {len(self._pieces)} pieces of shape "
+            f"{tuple(piece.shape)} along axis {self._axis}.")
+      piece.assign(part)
+
+  # tf.train.Checkpoint: one entry holding the whole tensor.
+  def _serialize_to_tensors(self):
+    return {VARIABLE_VALUE: tf.concat(
+        [tf.convert_to_tensor(p.value) for p in self._pieces], self._axis)}
+
+  def _restore_from_tensors(self, restored_tensors):
+    self.assign(restored_tensors[VARIABLE_VALUE])
+
+
+class ShardedWeight(LogicalTensor):
   """The logical (whole) view of one weight split over the `tensor` axis.
 
   Shard `k` is a Keras variable on the k-th device of every replica. Reading
@@ -26,6 +68,7 @@ class ShardedWeight:
   """
 
   def __init__(self, layout, shards):
+    super().__init__(shards, layout.axis)
     self.layout = layout
     self.shards = tuple(shards)
     for index, shard in enumerate(self.shards):
@@ -41,23 +84,7 @@ class ShardedWeight:
   @property
   def value(self):
     """The whole weight as one tensor (a gather of the shards)."""
-    return tf.concat([tf.convert_to_tensor(s.value) for s in self.shards],
-                     self.axis)
-
-  def numpy(self):
-    """The whole weight as a NumPy array."""
-    return np.concatenate([s.numpy() for s in self.shards], self.axis)
-
-  def assign(self, value):
-    """Sets the whole weight from a full-shape value."""
-    value = np.asarray(value)
-    if tuple(value.shape) != self.shape:
-      raise ValueError(
-          f"Cannot assign a value of shape {tuple(value.shape)} to sharded "
-          f"weight {self.path!r} of shape {self.shape}.")
-    for shard, piece in zip(self.shards,
-                            np.split(value, len(self.shards), self.axis)):
-      shard.assign(piece)
+    return self._serialize_to_tensors()[VARIABLE_VALUE]
 
   def __repr__(self):
     return (f"<ShardedWeight path={self.path} shape={self.shape} "
@@ -126,6 +153,9 @@ def _replace(owner, variable, weight):
   for attribute, value in list(vars(owner).items()):
     if value is variable:
       object.__setattr__(owner, attribute, weight)
+      # tf.train.Checkpoint follows tracked attributes: save the whole
+      # weight where the variable was (and let the variable go).
+      owner._track_trackable(weight, name=attribute, overwrite=True)  # pylint: disable=protected-access
 
 
 def _install_logical_saving(owner):

@@ -1,0 +1,105 @@
+"""Pieces the benchmark scripts share: common flags, a step timer, ratios.
+
+The scripts run as `python benchmarks/<name>.py`, which puts this directory
+first on `sys.path`, so they import this module as `common`. Nothing here
+imports TensorFlow or Keras at import time: a script must be able to
+configure virtual CPUs before TensorFlow starts.
+"""
+
+import json
+import statistics
+import time
+
+
+def add_common_flags(parser, runs, steps, skip_steps=5):
+  """Adds `--runs`, `--steps`, `--skip-steps`, `--seed` and `--output`.
+
+  Args:
+    parser: an `argparse.ArgumentParser`.
+    runs: default of `--runs`.
+    steps: default of `--steps`.
+    skip_steps: default of `--skip-steps`.
+  """
+  parser.add_argument("--runs", type=int, default=runs,
+                      help=f"measured runs per configuration (default {runs})")
+  parser.add_argument("--steps", type=int, default=steps,
+                      help=f"training steps per run (default {steps})")
+  parser.add_argument("--skip-steps", type=int, default=skip_steps,
+                      help="steps at the start of each run left untimed "
+                      f"(default {skip_steps})")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--output", help="also write the results as JSON here")
+
+
+def parse_checked(parser, argv=None):
+  """`parser.parse_args(argv)`, refusing `--steps <= --skip-steps`."""
+  args = parser.parse_args(argv)
+  if args.steps <= args.skip_steps:
+    parser.error("--steps must be larger than --skip-steps")
+  if args.runs < 1:
+    parser.error("--runs must be at least 1")
+  return args
+
+
+class StepTimer:
+  """Keras callback holder: wall time from the start of batch `skip` to the
+  end of the epoch, when Keras has fetched the results of every step.
+
+  Use one timer per `model.fit(..., epochs=1)`.
+
+  Example:
+
+    timer = StepTimer(skip=5)
+    model.fit(x, y, epochs=1, steps_per_epoch=100,
+              callbacks=[timer.callback])
+    seconds_per_step = timer.step_time(100)
+  """
+
+  def __init__(self, skip):
+    import keras  # pylint: disable=g-import-not-at-top
+    outer = self
+
+    class _Callback(keras.callbacks.Callback):
+
+      def on_train_batch_begin(self, batch, logs=None):
+        if batch == outer.skip:
+          outer.start = time.perf_counter()
+
+      def on_epoch_end(self, epoch, logs=None):
+        # `logs` are numbers here: every step of the epoch has finished.
+        outer.end = time.perf_counter()
+
+    self.skip = skip
+    self.start = self.end = None
+    self.callback = _Callback()
+
+  @property
+  def seconds(self):
+    """Wall time of the timed steps."""
+    return self.end - self.start
+
+  def step_time(self, steps):
+    """Seconds per timed step of an epoch of `steps` steps."""
+    return self.seconds / (steps - self.skip)
+
+
+def alternating(names, run):
+  """`names` in order on even runs and reversed on odd ones, so neither
+  configuration always goes first."""
+  names = list(names)
+  return names if run % 2 == 0 else names[::-1]
+
+
+def ratios(numerator, denominator):
+  """(ratio of the medians, median of the per-run ratios) of two equally
+  long lists of measurements taken in alternating runs."""
+  of_medians = statistics.median(numerator) / statistics.median(denominator)
+  per_run = statistics.median(a / b for a, b in zip(numerator, denominator))
+  return of_medians, per_run
+
+
+def write_json(path, result):
+  """Writes `result` to `path` when a path is given."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(result, f, indent=2)
