@@ -20,11 +20,15 @@ from tfpar.tensor_parallel.variables import LogicalTensor
 from tfpar.tensor_parallel.variables import sharded_weights
 
 
-def _logical_entries(items, weights):
+def _logical_entries(items, weights, slots=None):
   """`items` (optimizer variables, or the model variables it tracks) in the
   order an unsharded model's optimizer has them: the shards of a weight
   become the whole weight, the per-shard slots of a weight one whole slot.
+
+  `slots` memoizes the whole slots, so lists that share a slot share its
+  `LogicalTensor` (a checkpoint saves it once).
   """
+  slots = {} if slots is None else slots
   prefixes = {}
   for weight in weights.values():
     for index, shard in enumerate(weight.shards):
@@ -48,8 +52,10 @@ def _logical_entries(items, weights):
       groups[key] = ([None] * len(weight.shards), weight.axis)
       entries.append(key)
     groups[key][0][index] = item
-  return [LogicalTensor(*groups[e]) if isinstance(e, tuple) else e
-          for e in entries]
+  for key, (pieces, axis) in groups.items():
+    if key not in slots:
+      slots[key] = LogicalTensor(pieces, axis)
+  return [slots[e] if isinstance(e, tuple) else e for e in entries]
 
 
 def adopt(optimizer, model):
@@ -128,9 +134,10 @@ def _install_logical_checkpoint(optimizer, model):
       cache.clear()
       cache["key"] = key
       cache["lists"] = {}
+      slots = {}
       for name, child in children.items():
         if isinstance(child, list):
-          entries = _logical_entries(child, weights)
+          entries = _logical_entries(child, weights, slots)
           if any(isinstance(e, LogicalTensor) for e in entries):
             cache["lists"][name] = data_structures.ListWrapper(entries)
     return cache["lists"]
