@@ -1,0 +1,52 @@
+"""TensorParallelStrategy across 2 TF_CONFIG workers x 2 virtual CPUs:
+tensor 2 inside each worker, data 2 across them, equal to one device."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import tfpar
+import tp_common
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "tp_worker.py")
+LAUNCH_TIMEOUT = 300
+
+
+def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path):
+  run = subprocess.run(
+      [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
+       "--devices-per-worker", "2", "--timeout", str(LAUNCH_TIMEOUT), WORKER,
+       str(tmp_path)],
+      capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 60)
+  assert run.returncode == 0, run.stdout[-4000:]
+  results = [json.load(open(tmp_path / f"worker{i}.json")) for i in range(2)]
+  assert [r["num_replicas"] for r in results] == [2, 2]
+  assert results[1]["groups"] == [[
+      "/job:worker/replica:0/task:1/device:CPU:0",
+      "/job:worker/replica:0/task:1/device:CPU:1"]]
+
+  reference = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
+  x, y = tp_common.data("gpt")
+  losses = tp_common.step_losses(reference, x, y)
+  px, py = tp_common.data("gpt", count=20, seed=7)
+  weights = tfpar.logical_weights(reference)
+  for result in results:
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        result["evaluate"], reference.evaluate(px, py, batch_size=8,
+                                               verbose=0), atol=1e-5)
+    np.testing.assert_allclose(
+        result["predict"], reference.predict(px, batch_size=8, verbose=0),
+        atol=1e-5)
+    for path, value in weights.items():
+      np.testing.assert_allclose(result["weights"][path], value, atol=1e-5,
+                                 err_msg=path)
+  assert results[0]["weights"] == results[1]["weights"]
+
+  restored = tp_common.compile_model(tp_common.gpt(seed=9))
+  restored.load_weights(str(tmp_path / "weights.weights.h5"))
+  np.testing.assert_allclose(restored.predict(px, verbose=0),
+                             reference.predict(px, verbose=0), atol=1e-5)
