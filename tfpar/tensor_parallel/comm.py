@@ -128,3 +128,73 @@ def _remote_bytes(parts):
   """Bytes of the parts that live off the head (all but the first)."""
   sizes = [instrument.moved_bytes(p, 1) for p in parts[1:]]
   return None if None in sizes else sum(sizes)
+
+
+def reduce_scatter(parts, axis, devices, layer):
+  """The sum of the per-device `parts`, split along `axis`: piece k, the sum
+  of every part's k-th piece, on device k (sequence parallelism)."""
+  count = len(devices)
+
+  @tf.custom_gradient
+  def _reduce_scatter(*values):
+    pieces = []
+    for value, device in zip(values, devices):
+      with tf.device(device):
+        pieces.append(tf.split(value, count, axis))
+    outs = []
+    for k, device in enumerate(devices):
+      with tf.device(device):
+        outs.append(tf.add_n([p[k] for p in pieces]))
+
+    def grad(*upstream):
+      instrument.record("all-gather", instrument.BACKWARD,
+                        _all_gather_bytes(upstream), layer)
+      return _gather_everywhere(upstream, axis, devices)
+    return outs, grad
+
+  outs = list(_reduce_scatter(*parts))
+  instrument.record("reduce-scatter", instrument.FORWARD,
+                    _all_gather_bytes(outs), layer, outs[-1])
+  return outs
+
+
+def all_gather(pieces, axis, devices, layer):
+  """The per-device `pieces` concatenated along `axis` on every device."""
+  count = len(devices)
+
+  @tf.custom_gradient
+  def _all_gather(*values):
+    def grad(*upstream):
+      instrument.record("reduce-scatter", instrument.BACKWARD,
+                        _all_gather_bytes(values), layer)
+      split = []
+      for value, device in zip(upstream, devices):
+        with tf.device(device):
+          split.append(tf.split(value, count, axis))
+      grads = []
+      for k, device in enumerate(devices):
+        with tf.device(device):
+          grads.append(tf.add_n([s[k] for s in split]))
+      return grads
+    return _gather_everywhere(values, axis, devices), grad
+
+  outs = list(_all_gather(*pieces))
+  instrument.record("all-gather", instrument.FORWARD,
+                    _all_gather_bytes(pieces), layer, outs[-1])
+  return outs
+
+
+def _gather_everywhere(pieces, axis, devices):
+  outs = []
+  for device in devices:
+    with tf.device(device):
+      outs.append(tf.concat(list(pieces), axis))
+  return outs
+
+
+def _all_gather_bytes(pieces):
+  """Bytes an all-gather (or reduce-scatter) of equal `pieces` moves: every
+  device receives the t - 1 pieces it does not hold."""
+  one = instrument.moved_bytes(pieces[0], 1)
+  count = len(pieces)
+  return None if one is None else one * count * (count - 1)

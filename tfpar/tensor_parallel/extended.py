@@ -21,6 +21,7 @@ from tfpar.tensor_parallel import keras_hooks
 from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import optimizer as optimizer_lib
 from tfpar.tensor_parallel import plan as plan_lib
+from tfpar.tensor_parallel import sequence as sequence_lib
 from tfpar.tensor_parallel import variables as variables_lib
 
 
@@ -40,12 +41,14 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     plan: a `tfpar.ShardingPlan`.
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
+    sequence_parallel: split position-wise regions along the sequence.
   """
 
   def __init__(self, container_strategy, mesh, plan,
-               communication_options=None):
+               communication_options=None, sequence_parallel=False):
     super().__init__(container_strategy, mesh, communication_options)
     self._plan = plan
+    self._sequence_parallel = sequence_parallel
     self._column = threading.local()
     self._models = []  # weakrefs of models created in scope.
     keras_hooks.install(self)
@@ -148,8 +151,11 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     with self._container_strategy().scope():
       for layout in layer_layouts:
         variables_lib.shard_layer(layout, self.tensor_size, self.tensor_shard)
-        layers_lib.install(layout, self.current_group)
+        layers_lib.install(layout, self.current_group,
+                           self._sequence_parallel)
         object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
+    if self._sequence_parallel:
+      sequence_lib.install(model, self.current_group)
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     if optimizer is not None and optimizer.built:
       # Built for the unsharded weights (e.g. by keras.models.load_model):

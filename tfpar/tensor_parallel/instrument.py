@@ -29,8 +29,10 @@ class Record:
   Attributes:
     kind: "reduce" (sum of the shards' partial results onto the replica's
       head device), "broadcast" (head to every shard device), "gather"
-      (shards concatenated onto the head) or "scatter" (head split to the
-      shards).
+      (shards concatenated onto the head), "scatter" (head split to the
+      shards), and with sequence parallelism "reduce-scatter" (partial
+      results summed, each device keeping a slice of the sequence) and
+      "all-gather" (sequence slices concatenated on every device).
     phase: "forward" or "backward".
     bytes: bytes moved between devices, or None if a shape is not static.
     layer: the layer that emitted it.

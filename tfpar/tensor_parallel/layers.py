@@ -23,6 +23,8 @@ from tfpar.tensor_parallel import styles
 from tfpar.tensor_parallel import variables as variables_lib
 
 _SPLIT_ATTRIBUTE = "_tfpar_split"
+_SEQUENCE_ATTRIBUTE = "_tfpar_sequence"
+SEQUENCE_AXIS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,60 @@ def _tag(tensor, parts, axis, devices):
   tensor_attributes.set_tensor_attr(
       tensor, _SPLIT_ATTRIBUTE, _Split(tuple(parts), axis, tuple(devices)))
   return tensor
+
+
+def tag_sequence(tensor, chunks, devices):
+  """Marks `tensor` as gathered from the sequence slices `chunks`."""
+  tensor_attributes.set_tensor_attr(
+      tensor, _SEQUENCE_ATTRIBUTE,
+      _Split(tuple(chunks), SEQUENCE_AXIS, tuple(devices)))
+  return tensor
+
+
+def sequence_chunks(tensor, devices):
+  """The sequence slices `tensor` was gathered from, or None."""
+  split = tensor_attributes.get_tensor_attr(tensor, _SEQUENCE_ATTRIBUTE)
+  if split is not None and split.devices == tuple(devices):
+    return list(split.parts)
+  return None
+
+
+def _spread(x, devices, name):
+  """`x` whole on every device: all-gathered from its sequence slices if it
+  has them, else broadcast from the head."""
+  chunks = sequence_chunks(x, devices)
+  if chunks is not None:
+    return comm.all_gather(chunks, SEQUENCE_AXIS, devices, name)
+  return comm.broadcast(x, devices, name)
+
+
+def _splits_sequence(tensor, devices, name):
+  """Whether sequence parallelism applies to this [batch, sequence, ...]
+  activation."""
+  if tensor.shape.rank is None or tensor.shape.rank < 3:
+    return False
+  length = tensor.shape[SEQUENCE_AXIS]
+  if length is not None and length % len(devices):
+    raise ValueError(
+        f"sequence_parallel=True splits activations along the sequence "
+        f"(axis {SEQUENCE_AXIS}), but layer {name!r} outputs sequence length "
+        f"{length}, not divisible by the tensor size {len(devices)}.")
+  return length is not None
+
+
+def _combine(partials, devices, name, finish, sequence_parallel):
+  """The sum of the shards' partial results, then `finish` (unsplit bias,
+  activation): on the head, or with sequence parallelism reduce-scattered
+  and finished slice by slice on every device."""
+  if sequence_parallel and _splits_sequence(partials[0], devices, name):
+    chunks = comm.reduce_scatter(partials, SEQUENCE_AXIS, devices, name)
+    chunks = [compute.on_device(device, finish, chunk)
+              for device, chunk in zip(devices, chunks)]
+    return tag_sequence(comm.gather(chunks, SEQUENCE_AXIS, devices, name),
+                        chunks, devices)
+  total = comm.reduce(partials, devices, name)
+  with tf.device(devices[0]):
+    return finish(total)
 
 
 def _split_parts(tensor, axis, devices):
@@ -64,18 +120,20 @@ def _project(layer, x, index, equation=None):
   return y
 
 
-def _finish(layer, y, head):
-  """Adds an unsplit bias and the activation on the head."""
-  with tf.device(head):
+def _finisher(layer):
+  """Adds the layer's unsplit bias, then applies its activation."""
+  def finish(y):
     if layer.bias is not None and not isinstance(
         layer.bias, variables_lib.ShardedWeight):
       y = ops.add(y, layer.bias)
     if layer.activation is not None:
       y = layer.activation(y)
-  return y
+    return y
+  return finish
 
 
-def _column(layout, group):
+def _column(layout, group, sequence_parallel):
+  del sequence_parallel  # Its input arrives whole or is all-gathered.
   layer = layout.layer
   equation = getattr(layer, "equation", None)
   if layout.kind == layouts.DENSE:
@@ -90,7 +148,7 @@ def _column(layout, group):
   def call(inputs, training=None):
     del training
     devices = group()
-    xs = comm.broadcast(inputs, devices, layer.name)
+    xs = _spread(inputs, devices, layer.name)
     outs = []
     for index, device in enumerate(devices):
       def shard_fn(x, index=index):
@@ -102,11 +160,12 @@ def _column(layout, group):
     whole = comm.gather(outs, axis, devices, layer.name)
     if elementwise:
       return _tag(whole, outs, axis, devices)
-    return _finish(layer, whole, devices[0])
+    with tf.device(devices[0]):
+      return _finisher(layer)(whole)
   return call
 
 
-def _row(layout, group):
+def _row(layout, group, sequence_parallel):
   layer = layout.layer
   equation = getattr(layer, "equation", None)
   if layout.kind == layouts.DENSE:
@@ -125,12 +184,12 @@ def _row(layout, group):
         compute.on_device(device, lambda x, i=index: _project(
             layer, x, i, equation), xs[index])
         for index, device in enumerate(devices)]
-    return _finish(layer, comm.reduce(partial, devices, layer.name),
-                   devices[0])
+    return _combine(partial, devices, layer.name, _finisher(layer),
+                    sequence_parallel)
   return call
 
 
-def _vocab(layout, group):
+def _vocab(layout, group, sequence_parallel):
   layer = layout.layer
   rows = layer.input_dim // len(layer._embeddings.shards)  # pylint: disable=protected-access
 
@@ -148,13 +207,13 @@ def _vocab(layout, group):
                              ops.where(inside, local, 0), axis=0)
         return looked_up * ops.cast(inside, looked_up.dtype)[..., None]
       parts.append(compute.on_device(device, shard_fn, ids[index]))
-    total = comm.reduce(parts, devices, layer.name)
-    with tf.device(devices[0]):
-      return ops.cast(total, layer.compute_dtype)
+    return _combine(parts, devices, layer.name,
+                    lambda y: ops.cast(y, layer.compute_dtype),
+                    sequence_parallel)
   return call
 
 
-def _attention(layout, group):
+def _attention(layout, group, sequence_parallel):
   # Mirrors keras.layers.MultiHeadAttention.call, with the projections and
   # the attention of each head shard on its own device.
   layer = layout.layer
@@ -188,7 +247,7 @@ def _attention(layout, group):
     copies = {}
     for tensor in (query, key, value):
       if id(tensor) not in copies:
-        copies[id(tensor)] = comm.broadcast(tensor, devices, name)
+        copies[id(tensor)] = _spread(tensor, devices, name)
     inputs = [copies[id(query)], copies[id(key)], copies[id(value)]]
     if attention_mask is not None:
       inputs.append(comm.broadcast(attention_mask, devices, name))
@@ -217,8 +276,8 @@ def _attention(layout, group):
         scores.append(result[1])
       else:
         outs.append(result)
-    output = _finish(parts["output"], comm.reduce(outs, devices, name),
-                     devices[0])
+    output = _combine(outs, devices, name, _finisher(parts["output"]),
+                      sequence_parallel)
     if query_mask is not None:
       backend.set_keras_mask(output, query_mask)
     if return_attention_scores:
@@ -237,13 +296,15 @@ _BUILDERS = {
 }
 
 
-def install(layer_layout, group):
+def install(layer_layout, group, sequence_parallel=False):
   """Makes a sharded layer compute tensor-parallel.
 
   Args:
     layer_layout: its `LayerLayout` (variables already sharded).
     group: a function returning the current replica's devices.
+    sequence_parallel: leave [batch, sequence, ...] outputs of row-parallel
+      layers split along the sequence (reduce-scatter instead of reduce).
   """
   builder = _BUILDERS[(layer_layout.kind, type(layer_layout.style))]
   object.__setattr__(layer_layout.layer, "call",
-                     builder(layer_layout, group))
+                     builder(layer_layout, group, sequence_parallel))

@@ -24,7 +24,11 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
     mesh: a `tfpar.Mesh` with `data` and `tensor` axes (pipeline 1).
     plan: a `tfpar.ShardingPlan`, a list of `(regex, style)` rules, or None
       for the built-in plans.
-    sequence_parallel: not supported yet; must be False.
+    sequence_parallel: split the LayerNorm / dropout / residual regions of
+      [batch, sequence, ...] activations along the sequence over the tensor
+      group (reduce-scatter and all-gather instead of reduce and
+      broadcast; same bytes, 1/tensor of their activation memory per
+      device).
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
 
@@ -46,16 +50,17 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
 
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,
                communication_options=None):
-    if sequence_parallel:
-      raise ValueError(
-          "sequence_parallel=True is not supported yet by "
-          "tfpar.TensorParallelStrategy; use sequence_parallel=False.")
+    if not isinstance(sequence_parallel, bool):
+      raise ValueError(f"sequence_parallel must be True or False. Received: "
+                       f"sequence_parallel={sequence_parallel!r}")
     self._plan = plan_lib.as_plan(plan)
+    self._sequence_parallel = sequence_parallel
     super().__init__(mesh, communication_options)
 
   def _make_extended(self, mesh, communication_options):
-    return extended_lib.TensorParallelExtended(self, mesh, self._plan,
-                                               communication_options)
+    return extended_lib.TensorParallelExtended(
+        self, mesh, self._plan, communication_options,
+        sequence_parallel=self._sequence_parallel)
 
   def _check_mesh(self, mesh):
     if mesh.shape["pipeline"] != 1:
