@@ -42,8 +42,8 @@ flags.DEFINE_integer("devices", 4, "Virtual CPUs on a CPU-only host when not "
                      "run by `tfpar launch`.")
 flags.DEFINE_integer("tensor", 2, "Size of the mesh's tensor axis; data "
                      "takes the remaining devices.")
-flags.DEFINE_integer("epochs", 6, "Training epochs.")
-flags.DEFINE_integer("steps_per_epoch", 40, "Optimizer steps per epoch.")
+flags.DEFINE_integer("epochs", 10, "Training epochs.")
+flags.DEFINE_integer("steps_per_epoch", 50, "Optimizer steps per epoch.")
 flags.DEFINE_integer("batch_size", 32, "Global batch size (sequences).")
 flags.DEFINE_integer("sequence", 64, "Characters per training sequence.")
 flags.DEFINE_integer("width", 64, "Model width.")

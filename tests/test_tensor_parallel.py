@@ -70,6 +70,9 @@ def test_shards_live_on_their_devices():
   x, y = tp_common.data("gpt", count=16)
   model.fit(tp_common.dataset(x, y), epochs=1, verbose=0)
   groups = strategy.mesh.replicas
+  # Shard 1's gradients were all-reduced by a collective on the shard-1
+  # devices (shard 0's by the replica heads' own).
+  assert set(strategy.extended._column_ops) == {1}  # pylint: disable=protected-access
   kernel = model.get_layer("block0_mlp_in")._kernel  # pylint: disable=protected-access
   assert isinstance(kernel, tfpar.ShardedWeight)
   assert kernel.shape == (16, 64)

@@ -3,8 +3,12 @@
 from tfpar.tensor_parallel import styles
 
 
-def _short(device):
-  return device.split("device:")[-1] if "device:" in device else device
+def _short(device, multi_worker=False):
+  """CPU:1, or task:1/CPU:1 when the mesh spans several workers."""
+  spec = device.split("/")
+  name = device.split("device:")[-1] if "device:" in device else device
+  task = [p for p in spec if p.startswith("task:")]
+  return f"{task[0]}/{name}" if multi_worker and task else name
 
 
 def describe(plan, model, strategy):
@@ -31,6 +35,7 @@ def describe(plan, model, strategy):
     layer_layouts = plan.resolve(model, tensor_size)
   by_path = {v.path: v for layout in layer_layouts for v in layout.variables}
   groups = mesh.replicas
+  multi = mesh.is_multi_worker
   rows = [("variable", "full shape", "style", "shard shape", "devices")]
   from tfpar.tensor_parallel import variables as variables_lib  # pylint: disable=g-import-not-at-top
   paths = list(variables_lib.logical_weights_paths(model))
@@ -40,12 +45,12 @@ def describe(plan, model, strategy):
       style = layout.style if layout is not None else styles.REPLICATE
       if not isinstance(style, styles.Replicate):
         style = f"{style} (replicated)"
-      devices = ",".join(_short(g[0]) for g in groups)
+      devices = ",".join(_short(g[0], multi) for g in groups)
       rows.append((path, str(tuple(shape)), str(style), str(tuple(shape)),
                    devices))
       continue
     devices = " | ".join(
-        f"{k}: " + ",".join(_short(g[k]) for g in groups)
+        f"{k}: " + ",".join(_short(g[k], multi) for g in groups)
         for k in range(tensor_size))
     rows.append((path, str(layout.shape), f"{layout.style} axis {layout.axis}",
                  str(layout.shard_shape(tensor_size)), devices))

@@ -16,6 +16,10 @@ import contextlib
 import threading
 import weakref
 
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import values as values_lib
+
 from tfpar.engine import extended as engine_extended
 from tfpar.tensor_parallel import keras_hooks
 from tfpar.tensor_parallel import layers as layers_lib
@@ -49,6 +53,7 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     super().__init__(container_strategy, mesh, communication_options)
     self._plan = plan
     self._sequence_parallel = sequence_parallel
+    self._column_ops = {}
     self._column = threading.local()
     self._models = []  # weakrefs of models created in scope.
     keras_hooks.install(self)
@@ -81,7 +86,6 @@ class TensorParallelExtended(engine_extended.MeshExtended):
 
   def current_group(self):
     """The devices of the replica running now (replica 0's outside)."""
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     strategy = self._container_strategy()
     context = tf.distribute.get_replica_context()
     if (context is not None and tf.distribute.has_strategy() and
@@ -90,6 +94,57 @@ class TensorParallelExtended(engine_extended.MeshExtended):
       if replica is not None:
         return self._mesh.replicas[int(replica)]
     return self._local_groups[0]
+
+  # Gradients of shard k live on the k-th devices of the replicas: reduce
+  # them there with a collective of their own per column, instead of TF's
+  # fallback that moves every value to the replica heads one at a time
+  # ("Efficient batch_reduce is not supported if destinations are
+  # different").
+
+  def _column_of(self, value):
+    """The tensor index of the devices holding a per-replica value."""
+    if isinstance(value, values_lib.DistributedValues):
+      device = value.values[0].device
+    elif tf.is_tensor(value):
+      device = value.device  # One replica per worker.
+    else:
+      return None
+    if not device:
+      return None
+    spec = tf.DeviceSpec.from_string(device)
+    for group in self._local_groups:
+      for column, device in enumerate(group):
+        if tf.DeviceSpec.from_string(device) == spec:
+          return column
+    return None
+
+  def _column_cross_device_ops(self, column):
+    if column not in self._column_ops:
+      self._column_ops[column] = cross_device_ops_lib.CollectiveAllReduce(
+          devices=[group[column] for group in self._local_groups],
+          group_size=self._mesh.num_replicas,
+          options=self._communication_options,
+          collective_keys=self._collective_keys)
+    return self._column_ops[column]
+
+  def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    columns = [self._column_of(v) for v, _ in value_destination_pairs]
+    if self.tensor_size == 1 or all(c in (0, None) for c in columns):
+      return super()._batch_reduce_to(reduce_op, value_destination_pairs,
+                                      options)
+    results = [None] * len(value_destination_pairs)
+    for column in dict.fromkeys(columns):
+      indices = [i for i, c in enumerate(columns) if c == column]
+      pairs = [value_destination_pairs[i] for i in indices]
+      if column in (0, None):
+        reduced = super()._batch_reduce_to(reduce_op, pairs, options)
+      else:
+        reduced = self._column_cross_device_ops(column).batch_reduce(
+            reduce_op, pairs,
+            options=self._communication_options.merge(options))
+      for index, value in zip(indices, reduced):
+        results[index] = value
+    return results
 
   # Model registry and sharding.
 
@@ -102,7 +157,6 @@ class TensorParallelExtended(engine_extended.MeshExtended):
       return
     self._column.sharding = True
     try:
-      import tensorflow as tf  # pylint: disable=g-import-not-at-top
       with tf.init_scope():
         self._shard_pending_models()
     finally:
