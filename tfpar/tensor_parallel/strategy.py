@@ -37,15 +37,18 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
 
   Example:
 
-  >>> import keras, tfpar  # doctest: +SKIP
+  >>> import keras, tfpar
+  >>> devices = tfpar.configure_virtual_cpus(4)  # CPU-only, before TF runs.
   >>> strategy = tfpar.TensorParallelStrategy(
   ...     tfpar.Mesh({"data": 2, "tensor": 2}))
   >>> with strategy.scope():
   ...   inputs = keras.Input((16,))
-  ...   x = keras.layers.Dense(64, activation="gelu")(inputs)
-  ...   model = keras.Model(inputs, keras.layers.Dense(16)(x))
+  ...   x = keras.layers.Dense(64, activation="gelu", name="up")(inputs)
+  ...   model = keras.Model(inputs, keras.layers.Dense(16, name="down")(x))
   ...   model.compile(optimizer="adam", loss="mse")
-  >>> strategy.describe(model)
+  >>> print(strategy.describe(model, print_fn=lambda line: None)
+  ...       .splitlines()[2])
+  up/kernel    (16, 64)    ColumnParallel axis 1  (16, 32)     0: CPU:0,CPU:2 | 1: CPU:1,CPU:3
   """
 
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,

@@ -17,6 +17,15 @@ class LogicalTensor(trackable_base.Trackable):
   Args:
     pieces: Keras variables holding the pieces, in order.
     axis: the axis they are split along.
+
+  Example:
+
+  >>> import keras
+  >>> from tfpar.tensor_parallel.variables import LogicalTensor
+  >>> whole = LogicalTensor([keras.Variable([[1.0], [2.0]]),
+  ...                        keras.Variable([[3.0], [4.0]])], axis=1)
+  >>> whole.numpy().tolist()
+  [[1.0, 3.0], [2.0, 4.0]]
   """
 
   def __init__(self, pieces, axis):
@@ -61,9 +70,8 @@ class ShardedWeight(LogicalTensor):
 
   Example:
 
-  >>> import tfpar  # doctest: +SKIP
-  >>> weight = model.get_layer("up")._kernel  # a ShardedWeight
-  >>> weight.numpy().shape, [s.shape for s in weight.shards]
+  >>> weight = model.get_layer("up")._kernel  # doctest: +SKIP
+  >>> weight.numpy().shape, [s.shape for s in weight.shards]  # doctest: +SKIP
   ((8, 16), [(8, 8), (8, 8)])
   """
 
@@ -204,9 +212,10 @@ def logical_weights(model):
   Example:
 
   >>> import keras, tfpar
-  >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+  >>> model = keras.Sequential(
+  ...     [keras.Input((2,)), keras.layers.Dense(3, name="out")], name="net")
   >>> sorted(tfpar.logical_weights(model))
-  ['dense/bias', 'dense/kernel']
+  ['net/out/bias', 'net/out/kernel']
   """
   result = {}
   for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
