@@ -10,6 +10,7 @@ Example:
 """
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ _EXPORTS = {
     "VocabParallel": "tfpar.tensor_parallel",
     "logical_weights": "tfpar.tensor_parallel",
     "memory_report": "tfpar.memory",
+    "ZeRO": "tfpar.zero",
 }
 _SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh",
                "tensor_parallel")
@@ -48,3 +50,11 @@ def __getattr__(name):
 
 def __dir__():
   return __all__
+
+
+# tfpar.ZeRO must shard an optimizer before `fit` builds it, so `fit` must be
+# hooked before user code looks it up. Without importing Keras here (the
+# `tfpar` command starts without TensorFlow): hook now if Keras is loaded,
+# else when a tfpar strategy or `tfpar.ZeRO` is first used.
+if "keras" in sys.modules:
+  importlib.import_module("tfpar.zero.callback")

@@ -1,5 +1,7 @@
 """`MeshStrategy`: the thin public face of `MeshExtended`."""
 
+import importlib
+
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 
@@ -40,6 +42,7 @@ class MeshStrategy(tf.distribute.MultiWorkerMirroredStrategy):
       raise ValueError(
           f"{type(self).__name__} needs a tfpar.Mesh. Received: mesh={mesh!r}")
     self._check_mesh(mesh)
+    importlib.import_module("tfpar.zero.callback")  # Hooks fit for ZeRO.
     self._collective_key_base = extended_lib.next_collective_key_base()
     distribute_lib.Strategy.__init__(
         self, self._make_extended(mesh, communication_options))

@@ -1,0 +1,93 @@
+"""`tfpar.ZeRO`: the Keras callback that turns ZeRO on for a fit."""
+
+import functools
+
+import keras
+from keras.src.backend.tensorflow import trainer as tf_trainer
+
+from tfpar.zero import sharded_optimizer
+
+_SUPPORTED_STAGES = (1,)
+
+
+class ZeRO(keras.callbacks.Callback):
+  """Shards the optimizer state over the data-parallel replicas (ZeRO-1).
+
+  With N replicas each device keeps the optimizer state (Adam's two
+  moments, and a slice of the weights it updates) of 1/N of every weight
+  instead of all of it; the results are those of one device. The state is
+  sharded from the start: no full-size optimizer slot is ever allocated.
+  Works under `tf.distribute.MirroredStrategy`,
+  `MultiWorkerMirroredStrategy` and the tfpar strategies, with every Keras
+  optimizer whose state is elementwise (SGD, Adam, AdamW, RMSprop, Adagrad,
+  Nadam, Adamax, Lion, ...), gradient clipping, weight decay and gradient
+  accumulation.
+
+  Args:
+    stage: 1 (optimizer state). Stages 2 (gradients) and 3 (parameters)
+      are not built yet and raise a ValueError.
+    offload: None. CPU offload is not built yet.
+
+  Raises:
+    ValueError: an unsupported stage or offload.
+
+  Example:
+
+  >>> import tfpar
+  >>> callback = tfpar.ZeRO(stage=1)
+  >>> # model.fit(x, y, callbacks=[callback])
+  """
+
+  def __init__(self, stage=1, offload=None):
+    super().__init__()
+    if stage not in _SUPPORTED_STAGES:
+      raise ValueError(
+          f"tfpar.ZeRO supports stage=1 (optimizer state). Received: "
+          f"stage={stage!r}; stages 2 and 3 are not built yet.")
+    if offload is not None:
+      raise ValueError(
+          f"tfpar.ZeRO does not support offload yet. Received: "
+          f"offload={offload!r}; use offload=None.")
+    self.stage = stage
+    self.offload = offload
+    _install_fit_hook()
+
+  def prepare(self, model):
+    """Shards `model.optimizer` before `fit` builds it."""
+    optimizer = model.optimizer
+    if getattr(optimizer, "_tfpar_zero", None) is None:
+      sharded_optimizer.shard(optimizer, model.distribute_strategy)
+
+  def set_model(self, model):
+    super().set_model(model)
+    if getattr(model.optimizer, "_tfpar_zero", None) is None:
+      raise ValueError(
+          "tfpar.ZeRO did not get to shard the optimizer before fit built "
+          "it (fit was looked up before tfpar installed its hook). Import "
+          "tfpar after keras, or create the strategy or the ZeRO callback "
+          "before calling fit.")
+
+
+_hooked = False
+
+
+def _install_fit_hook():
+  """`fit` builds the optimizer before any callback runs, so the callbacks
+  passed to `fit` get to shard it first."""
+  global _hooked
+  if _hooked:
+    return
+  original = tf_trainer.TensorFlowTrainer.fit
+
+  @functools.wraps(original)
+  def fit(self, *args, callbacks=None, **kwargs):
+    for callback in callbacks or ():
+      if isinstance(callback, ZeRO):
+        callback.prepare(self)
+    return original(self, *args, callbacks=callbacks, **kwargs)
+
+  tf_trainer.TensorFlowTrainer.fit = fit
+  _hooked = True
+
+
+_install_fit_hook()
