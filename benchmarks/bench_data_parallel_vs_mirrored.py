@@ -46,31 +46,6 @@ def parse_args(argv=None):
   return common.parse_checked(parser, argv)
 
 
-def synthetic_data(args, num_samples):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(args.seed)
-  x = rng.standard_normal((num_samples, args.features)).astype("float32")
-  w = rng.standard_normal((args.features, args.classes)).astype("float32")
-  y = (x @ w).argmax(axis=1).astype("int32")
-  return x, y
-
-
-def build_model(strategy, args):
-  import keras  # pylint: disable=g-import-not-at-top
-  keras.utils.set_random_seed(args.seed)
-  with strategy.scope():
-    model = keras.Sequential([
-        keras.Input((args.features,)),
-        keras.layers.Dense(args.hidden, activation="relu"),
-        keras.layers.Dense(args.hidden, activation="relu"),
-        keras.layers.Dense(args.classes),
-    ])
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  return model
-
-
 def timed_fit(model, x, y, args):
   timer = common.StepTimer(args.skip_steps)
   model.fit(x, y, batch_size=args.global_batch, epochs=1, shuffle=False,
@@ -89,8 +64,10 @@ def main(argv=None):
       "tf.distribute.MirroredStrategy":
           tf.distribute.MirroredStrategy(devices=list(devices)),
   }
-  x, y = synthetic_data(args, args.steps * args.global_batch)
-  models = {name: build_model(s, args) for name, s in strategies.items()}
+  x, y = common.synthetic_classification(args,
+                                         args.steps * args.global_batch)
+  models = {name: common.build_mlp(s, args)
+            for name, s in strategies.items()}
   num_params = next(iter(models.values())).count_params()
   for model in models.values():  # compile + trace, untimed
     timed_fit(model, x, y, args)

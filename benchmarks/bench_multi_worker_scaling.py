@@ -61,31 +61,14 @@ def worker_main(args):
   # Before any op runs: one thread per worker.
   tf.config.threading.set_intra_op_parallelism_threads(1)
   tf.config.threading.set_inter_op_parallelism_threads(1)
-  import keras  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import tfpar  # pylint: disable=g-import-not-at-top
 
   mesh = tfpar.Mesh.from_cluster_resolver(data=-1)
   strategy = tfpar.DataParallelStrategy(mesh)
   global_batch = args.per_worker_batch * mesh.num_workers
 
-  rng = np.random.default_rng(args.seed)
-  x = rng.standard_normal(
-      (args.steps * global_batch, args.features)).astype("float32")
-  w = rng.standard_normal((args.features, args.classes)).astype("float32")
-  y = (x @ w).argmax(axis=1).astype("int32")
-
-  keras.utils.set_random_seed(args.seed)
-  with strategy.scope():
-    model = keras.Sequential([
-        keras.Input((args.features,)),
-        keras.layers.Dense(args.hidden, activation="relu"),
-        keras.layers.Dense(args.hidden, activation="relu"),
-        keras.layers.Dense(args.classes),
-    ])
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  x, y = common.synthetic_classification(args, args.steps * global_batch)
+  model = common.build_mlp(strategy, args)
 
   def fit():
     timer = common.StepTimer(args.skip_steps)

@@ -103,3 +103,31 @@ def write_json(path, result):
   if path:
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
+
+
+def synthetic_classification(args, num_samples):
+  """Features and labels of a linear 10-way (`args.classes`) problem drawn
+  from `args.seed`: the data of the MLP benchmarks."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(args.seed)
+  x = rng.standard_normal((num_samples, args.features)).astype("float32")
+  w = rng.standard_normal((args.features, args.classes)).astype("float32")
+  y = (x @ w).argmax(axis=1).astype("int32")
+  return x, y
+
+
+def build_mlp(strategy, args):
+  """The MLP benchmarks 1 and 2 train, compiled under `strategy`."""
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(args.seed)
+  with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((args.features,)),
+        keras.layers.Dense(args.hidden, activation="relu"),
+        keras.layers.Dense(args.hidden, activation="relu"),
+        keras.layers.Dense(args.classes),
+    ])
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model
