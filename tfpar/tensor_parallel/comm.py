@@ -133,18 +133,10 @@ def _remote_bytes(parts):
 def reduce_scatter(parts, axis, devices, layer):
   """The sum of the per-device `parts`, split along `axis`: piece k, the sum
   of every part's k-th piece, on device k (sequence parallelism)."""
-  count = len(devices)
 
   @tf.custom_gradient
   def _reduce_scatter(*values):
-    pieces = []
-    for value, device in zip(values, devices):
-      with tf.device(device):
-        pieces.append(tf.split(value, count, axis))
-    outs = []
-    for k, device in enumerate(devices):
-      with tf.device(device):
-        outs.append(tf.add_n([p[k] for p in pieces]))
+    outs = _sum_slices(values, axis, devices)
 
     def grad(*upstream):
       instrument.record("all-gather", instrument.BACKWARD,
@@ -160,28 +152,33 @@ def reduce_scatter(parts, axis, devices, layer):
 
 def all_gather(pieces, axis, devices, layer):
   """The per-device `pieces` concatenated along `axis` on every device."""
-  count = len(devices)
 
   @tf.custom_gradient
   def _all_gather(*values):
     def grad(*upstream):
       instrument.record("reduce-scatter", instrument.BACKWARD,
                         _all_gather_bytes(values), layer)
-      split = []
-      for value, device in zip(upstream, devices):
-        with tf.device(device):
-          split.append(tf.split(value, count, axis))
-      grads = []
-      for k, device in enumerate(devices):
-        with tf.device(device):
-          grads.append(tf.add_n([s[k] for s in split]))
-      return grads
+      return _sum_slices(upstream, axis, devices)
     return _gather_everywhere(values, axis, devices), grad
 
   outs = list(_all_gather(*pieces))
   instrument.record("all-gather", instrument.FORWARD,
                     _all_gather_bytes(pieces), layer, outs[-1])
   return outs
+
+
+def _sum_slices(values, axis, devices):
+  """Slice k of the sum of the per-device `values`, on device k: each value
+  is split on its own device and the k-th slices are added on device k."""
+  slices = []
+  for value, device in zip(values, devices):
+    with tf.device(device):
+      slices.append(tf.split(value, len(devices), axis))
+  sums = []
+  for k, device in enumerate(devices):
+    with tf.device(device):
+      sums.append(tf.add_n([s[k] for s in slices]))
+  return sums
 
 
 def _gather_everywhere(pieces, axis, devices):

@@ -56,7 +56,7 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     self._column_ops = {}
     self._column = threading.local()
     self._models = []  # weakrefs of models created in scope.
-    keras_hooks.install(self)
+    keras_hooks.install()
 
   @property
   def plan(self):

@@ -14,9 +14,8 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 _installed = False
 
 
-def install(extended):
+def install():
   """Patches `TensorFlowTrainer.__init__` once per process (idempotent)."""
-  del extended
   global _installed
   if _installed:
     return

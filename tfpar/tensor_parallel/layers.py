@@ -34,26 +34,30 @@ class _Split:
   devices: tuple
 
 
-def _tag(tensor, parts, axis, devices):
+def _tag(tensor, attribute, parts, axis, devices):
+  """Marks `tensor` as gathered from the per-device `parts` along `axis`."""
   tensor_attributes.set_tensor_attr(
-      tensor, _SPLIT_ATTRIBUTE, _Split(tuple(parts), axis, tuple(devices)))
+      tensor, attribute, _Split(tuple(parts), axis, tuple(devices)))
   return tensor
+
+
+def _parts(tensor, attribute, axis, devices):
+  """The parts `tensor` was gathered from, if split the way we need."""
+  split = tensor_attributes.get_tensor_attr(tensor, attribute)
+  if split is not None and split.axis == axis and split.devices == tuple(
+      devices):
+    return list(split.parts)
+  return None
 
 
 def tag_sequence(tensor, chunks, devices):
   """Marks `tensor` as gathered from the sequence slices `chunks`."""
-  tensor_attributes.set_tensor_attr(
-      tensor, _SEQUENCE_ATTRIBUTE,
-      _Split(tuple(chunks), SEQUENCE_AXIS, tuple(devices)))
-  return tensor
+  return _tag(tensor, _SEQUENCE_ATTRIBUTE, chunks, SEQUENCE_AXIS, devices)
 
 
 def sequence_chunks(tensor, devices):
   """The sequence slices `tensor` was gathered from, or None."""
-  split = tensor_attributes.get_tensor_attr(tensor, _SEQUENCE_ATTRIBUTE)
-  if split is not None and split.devices == tuple(devices):
-    return list(split.parts)
-  return None
+  return _parts(tensor, _SEQUENCE_ATTRIBUTE, SEQUENCE_AXIS, devices)
 
 
 def _spread(x, devices, name):
@@ -94,15 +98,6 @@ def _combine(partials, devices, name, finish, sequence_parallel):
     return finish(total)
 
 
-def _split_parts(tensor, axis, devices):
-  """The shards `tensor` was gathered from, if split the way we need."""
-  split = tensor_attributes.get_tensor_attr(tensor, _SPLIT_ATTRIBUTE)
-  if split is not None and split.axis == axis and split.devices == tuple(
-      devices):
-    return list(split.parts)
-  return None
-
-
 def _shard(weight, index):
   if isinstance(weight, variables_lib.ShardedWeight):
     return weight.shards[index]
@@ -132,15 +127,21 @@ def _finisher(layer):
   return finish
 
 
+def _split_axis(layout, output):
+  """The (negative) axis of the output (column) or input (row) activation
+  that the layer's split kernel axis corresponds to."""
+  if layout.kind == layouts.DENSE:
+    return -1
+  inputs, _, outputs = layouts.einsum_letters(layout.layer.equation)
+  letters = outputs if output else inputs
+  return letters.index(layout.letter) - len(letters)
+
+
 def _column(layout, group, sequence_parallel):
   del sequence_parallel  # Its input arrives whole or is all-gathered.
   layer = layout.layer
   equation = getattr(layer, "equation", None)
-  if layout.kind == layouts.DENSE:
-    axis = -1
-  else:
-    _, _, output = layouts.einsum_letters(equation)
-    axis = output.index(layout.letter) - len(output)
+  axis = _split_axis(layout, output=True)
   elementwise = builtin.is_elementwise(layer.activation) and not (
       layer.bias is not None and
       not isinstance(layer.bias, variables_lib.ShardedWeight))
@@ -159,7 +160,7 @@ def _column(layout, group, sequence_parallel):
       outs.append(compute.on_device(device, shard_fn, xs[index]))
     whole = comm.gather(outs, axis, devices, layer.name)
     if elementwise:
-      return _tag(whole, outs, axis, devices)
+      return _tag(whole, _SPLIT_ATTRIBUTE, outs, axis, devices)
     with tf.device(devices[0]):
       return _finisher(layer)(whole)
   return call
@@ -168,16 +169,12 @@ def _column(layout, group, sequence_parallel):
 def _row(layout, group, sequence_parallel):
   layer = layout.layer
   equation = getattr(layer, "equation", None)
-  if layout.kind == layouts.DENSE:
-    axis = -1
-  else:
-    inputs_letters, _, _ = layouts.einsum_letters(equation)
-    axis = inputs_letters.index(layout.letter) - len(inputs_letters)
+  axis = _split_axis(layout, output=False)
 
   def call(inputs, training=None):
     del training
     devices = group()
-    xs = _split_parts(inputs, axis, devices)
+    xs = _parts(inputs, _SPLIT_ATTRIBUTE, axis, devices)
     if xs is None:
       xs = comm.scatter(inputs, axis, devices, layer.name)
     partial = [
