@@ -57,4 +57,4 @@ def __dir__():
 # `tfpar` command starts without TensorFlow): hook now if Keras is loaded,
 # else when a tfpar strategy or `tfpar.ZeRO` is first used.
 if "keras" in sys.modules:
-  importlib.import_module("tfpar.zero.callback")
+  importlib.import_module("tfpar.keras_hooks").install_fit_preparation()

@@ -1,10 +1,9 @@
 """`MeshStrategy`: the thin public face of `MeshExtended`."""
 
-import importlib
-
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 
+from tfpar import keras_hooks
 from tfpar import mesh as mesh_lib
 from tfpar.engine import extended as extended_lib
 
@@ -42,7 +41,7 @@ class MeshStrategy(tf.distribute.MultiWorkerMirroredStrategy):
       raise ValueError(
           f"{type(self).__name__} needs a tfpar.Mesh. Received: mesh={mesh!r}")
     self._check_mesh(mesh)
-    importlib.import_module("tfpar.zero.callback")  # Hooks fit for ZeRO.
+    keras_hooks.install_fit_preparation()  # For tfpar.ZeRO.
     self._collective_key_base = extended_lib.next_collective_key_base()
     distribute_lib.Strategy.__init__(
         self, self._make_extended(mesh, communication_options))

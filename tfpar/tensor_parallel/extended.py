@@ -20,8 +20,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import values as values_lib
 
+from tfpar import keras_hooks
 from tfpar.engine import extended as engine_extended
-from tfpar.tensor_parallel import keras_hooks
 from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import optimizer as optimizer_lib
 from tfpar.tensor_parallel import plan as plan_lib
@@ -56,7 +56,7 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     self._column_ops = {}
     self._column = threading.local()
     self._models = []  # weakrefs of models created in scope.
-    keras_hooks.install()
+    keras_hooks.install_model_registration()
 
   @property
   def plan(self):

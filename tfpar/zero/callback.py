@@ -1,10 +1,7 @@
 """`tfpar.ZeRO`: the Keras callback that turns ZeRO on for a fit."""
 
-import functools
-
 import keras
-from keras.src.backend.tensorflow import trainer as tf_trainer
-
+from tfpar import keras_hooks
 from tfpar.zero import sharded_optimizer
 
 _SUPPORTED_STAGES = (1,)
@@ -50,10 +47,11 @@ class ZeRO(keras.callbacks.Callback):
           f"offload={offload!r}; use offload=None.")
     self.stage = stage
     self.offload = offload
-    _install_fit_hook()
+    keras_hooks.install_fit_preparation()
 
-  def prepare(self, model):
-    """Shards `model.optimizer` before `fit` builds it."""
+  def prepare_fit(self, model):
+    """Shards `model.optimizer` before `fit` builds it (called by tfpar's
+    `fit` hook)."""
     optimizer = model.optimizer
     if getattr(optimizer, "_tfpar_zero", None) is None:
       sharded_optimizer.shard(optimizer, model.distribute_strategy)
@@ -68,26 +66,4 @@ class ZeRO(keras.callbacks.Callback):
           "before calling fit.")
 
 
-_hooked = False
-
-
-def _install_fit_hook():
-  """`fit` builds the optimizer before any callback runs, so the callbacks
-  passed to `fit` get to shard it first."""
-  global _hooked
-  if _hooked:
-    return
-  original = tf_trainer.TensorFlowTrainer.fit
-
-  @functools.wraps(original)
-  def fit(self, *args, callbacks=None, **kwargs):
-    for callback in callbacks or ():
-      if isinstance(callback, ZeRO):
-        callback.prepare(self)
-    return original(self, *args, callbacks=callbacks, **kwargs)
-
-  tf_trainer.TensorFlowTrainer.fit = fit
-  _hooked = True
-
-
-_install_fit_hook()
+keras_hooks.install_fit_preparation()
