@@ -67,7 +67,12 @@ def record(kind, phase, nbytes, layer, tensor=None):
   """Adds a record to every open `CommunicationLog`."""
   if not _active:
     return
-  graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+  graph = None
+  if not tf.executing_eagerly():
+    graph = tf.compat.v1.get_default_graph()
+    # Ops in a tf.cond branch belong to the step that contains the cond.
+    while getattr(graph, "is_control_flow_graph", False):
+      graph = graph.outer_graph
   entry = Record(kind, phase, nbytes, layer, _replica_id(), graph, tensor)
   with _lock:
     for log in _active:

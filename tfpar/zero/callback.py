@@ -1,60 +1,95 @@
 """`tfpar.ZeRO`: the Keras callback that turns ZeRO on for a fit."""
 
 import keras
-from tfpar import keras_hooks
-from tfpar.zero import sharded_optimizer
 
-_SUPPORTED_STAGES = (1,)
+from tfpar import keras_hooks
+from tfpar.zero import checkpoint
+from tfpar.zero import sharded_optimizer
+from tfpar.zero import sharded_weights
+
+_STAGES = (1, 2, 3)
+_OFFLOADS = (None, "cpu")
 
 
 class ZeRO(keras.callbacks.Callback):
-  """Shards the optimizer state over the data-parallel replicas (ZeRO-1).
+  """Shards optimizer state, gradients and weights over the replicas.
 
-  With N replicas each device keeps the optimizer state (Adam's two
-  moments, and a slice of the weights it updates) of 1/N of every weight
-  instead of all of it; the results are those of one device. The state is
-  sharded from the start: no full-size optimizer slot is ever allocated.
-  Works under `tf.distribute.MirroredStrategy`,
-  `MultiWorkerMirroredStrategy` and the tfpar strategies, with every Keras
-  optimizer whose state is elementwise (SGD, Adam, AdamW, RMSprop, Adagrad,
-  Nadam, Adamax, Lion, ...), gradient clipping, weight decay and gradient
-  accumulation.
+  With N data-parallel replicas each device keeps 1/N of what plain data
+  parallelism keeps on every device, and training gives the results of one
+  device:
+
+  * stage 1: the optimizer state (Adam's two moments and the slice of each
+    weight it updates);
+  * stage 2: also the gradients: they are reduce-scattered, and
+    `gradient_accumulation_steps` accumulates 1/N slices;
+  * stage 3: also the weights, all-gathered where a layer uses them.
+
+  The state is sharded from the start: no full-size optimizer slot is ever
+  allocated. Works under `tf.distribute.MirroredStrategy`,
+  `MultiWorkerMirroredStrategy` and `tfpar.DataParallelStrategy`, with
+  every Keras optimizer whose state is elementwise (SGD, Adam, AdamW,
+  RMSprop, Adagrad, Nadam, Adamax, Lion, ...), gradient clipping, weight
+  decay and gradient accumulation. Checkpoints hold whole tensors, so they
+  resume on any number of replicas, with or without ZeRO.
 
   Args:
-    stage: 1 (optimizer state). Stages 2 (gradients) and 3 (parameters)
-      are not built yet and raise a ValueError.
-    offload: None. CPU offload is not built yet.
+    stage: 1, 2 or 3.
+    offload: None, or "cpu" to keep the optimizer state, and run its
+      update, on the host CPU of each worker.
 
   Raises:
-    ValueError: an unsupported stage or offload.
+    ValueError: an unknown stage or offload.
 
   Example:
 
-  >>> import tfpar
-  >>> callback = tfpar.ZeRO(stage=1)
-  >>> # model.fit(x, y, callbacks=[callback])
+  >>> import keras, numpy as np, tfpar
+  >>> strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 1}))
+  >>> with strategy.scope():
+  ...   model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+  ...   model.compile(optimizer="adam", loss="mse")
+  >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0,
+  ...                     callbacks=[tfpar.ZeRO(stage=2)])
   """
 
   def __init__(self, stage=1, offload=None):
     super().__init__()
-    if stage not in _SUPPORTED_STAGES:
+    if stage not in _STAGES:
       raise ValueError(
-          f"tfpar.ZeRO supports stage=1 (optimizer state). Received: "
-          f"stage={stage!r}; stages 2 and 3 are not built yet.")
-    if offload is not None:
+          f"tfpar.ZeRO: stage must be one of {_STAGES}. Received: "
+          f"stage={stage!r}.")
+    if offload not in _OFFLOADS:
       raise ValueError(
-          f"tfpar.ZeRO does not support offload yet. Received: "
-          f"offload={offload!r}; use offload=None.")
+          f"tfpar.ZeRO: offload must be None or 'cpu'. Received: "
+          f"offload={offload!r}.")
     self.stage = stage
     self.offload = offload
     keras_hooks.install_fit_preparation()
 
   def prepare_fit(self, model):
-    """Shards `model.optimizer` before `fit` builds it (called by tfpar's
-    `fit` hook)."""
+    """Shards `model.optimizer` (and under stage 3 the weights) before
+    `fit` builds the optimizer (called by tfpar's `fit` hook)."""
     optimizer = model.optimizer
-    if getattr(optimizer, "_tfpar_zero", None) is None:
-      sharded_optimizer.shard(optimizer, model.distribute_strategy)
+    existing = getattr(optimizer, "_tfpar_zero", None)
+    if existing is not None:
+      if (existing.stage, existing.offload) != (self.stage, self.offload):
+        raise ValueError(
+            f"The optimizer of {model.name!r} is sharded with "
+            f"tfpar.ZeRO(stage={existing.stage}, offload="
+            f"{existing.offload!r}); it cannot change to stage="
+            f"{self.stage}, offload={self.offload!r}.")
+      return
+    strategy = model.distribute_strategy
+    if model.run_eagerly:
+      raise ValueError(
+          "tfpar.ZeRO needs compiled steps (its collectives cannot be "
+          "launched from eager replica functions one after another). "
+          "Received: run_eagerly=True; compile with run_eagerly=False.")
+    sharded_optimizer.check_shardable(optimizer, strategy)
+    state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy)
+    if self.stage == 3:
+      sharded_weights.shard(model, state)
+    sharded_optimizer.shard(optimizer, state)
+    checkpoint.install(optimizer)
 
   def set_model(self, model):
     super().set_model(model)

@@ -1,54 +1,96 @@
-"""Turning a Keras optimizer into a ZeRO stage-1 optimizer.
+"""Turning a Keras optimizer into a ZeRO optimizer (stages 1, 2 and 3).
 
 Each trainable weight (flattened, padded to a multiple of N replicas) is
 owned slice by slice: replica r keeps the optimizer state of slice r only,
-in per-replica (`ON_READ`) variables of 1/N of the size. A step all-reduces
-the gradients as data parallelism does, clips them as one device would,
-updates each replica's slice with the optimizer's own `update_step` (so
-every Keras optimizer whose state is elementwise works unchanged) and
-all-gathers the updated slices into the weights.
+in slice variables of 1/N of the size. A step reduce-scatters the gradients
+(each replica receives the sum over replicas of its slice), clips them as
+one device would, updates each replica's slice with the optimizer's own
+`update_step` (so every Keras optimizer whose state is elementwise works
+unchanged) and all-gathers the updated slices into the weights.
+
+* Stage 1 accumulates gradients (`gradient_accumulation_steps`) in full-size
+  local buffers and communicates once per update.
+* Stage 2 also slices the accumulation buffers: every micro-step
+  reduce-scatters, and only the replica's slice is kept.
+* Stage 3 also slices the weights (see `sharded_weights`): the gradient
+  tape returns reduced slices already, and nothing is gathered after the
+  update.
 """
 
-import math
+import dataclasses
 
 import keras
-from keras.src import backend
-import numpy as np
 import tensorflow as tf
 
-# Optimizer variables that are not per-weight state kept by the update
-# rule: they keep their full shape.
-_UNSHARDED_SLOTS = ("gradient_accumulator", "average")
+from tfpar.zero import collectives
+from tfpar.zero import slices
+
 # Optimizers whose state is not elementwise in the weights.
 _REFUSED = ("Adafactor",)
 
 
-def _slice_size(variable, replicas):
-  return max(1, math.ceil(int(np.prod(variable.shape)) / replicas))
+@dataclasses.dataclass
+class Entry:
+  """A trainable weight and the slice the update step works on.
 
-
-def _on_read_variable(optimizer, shape, initializer, dtype, name):
-  with backend.name_scope(optimizer.name, caller=optimizer):
-    variable = backend.Variable(
-        initializer=keras.initializers.get(initializer), shape=shape,
-        dtype=dtype, trainable=False, aggregation="none",
-        synchronization="on_read", name=name)
-  optimizer._track_variable(variable)  # pylint: disable=protected-access
-  return variable
-
-
-def shard(optimizer, strategy):
-  """Makes an unbuilt Keras optimizer keep 1/N of its state per replica.
-
-  Args:
-    optimizer: a Keras optimizer, not built yet.
-    strategy: the `tf.distribute.Strategy` it runs under (N =
-      `num_replicas_in_sync`).
-
-  Raises:
-    ValueError: the optimizer is built already, or its state is not
-      elementwise (Adafactor).
+  Attributes:
+    weight: the model's Keras variable.
+    slice: a slice variable: a copy of the weight's slice (stages 1-2) or
+      the weight's only storage (stage 3).
+    size: elements per slice.
   """
+  weight: object
+  slice: object
+  size: int
+
+
+@dataclasses.dataclass
+class ZeroState:
+  """What `shard` installs on an optimizer (`optimizer._tfpar_zero`)."""
+  stage: int
+  offload: object
+  strategy: object
+  entries: dict = dataclasses.field(default_factory=dict)  # id(weight)
+  slot_references: dict = dataclasses.field(default_factory=dict)  # id(slot)
+
+  @property
+  def replicas(self):
+    return self.strategy.num_replicas_in_sync
+
+  @property
+  def replica_ids(self):
+    return slices.local_replica_ids(self.strategy)
+
+  @property
+  def replica_devices(self):
+    return list(self.strategy.extended.worker_devices)
+
+  @property
+  def state_devices(self):
+    """Where optimizer state lives: each replica's device, or with CPU
+    offload the host CPU of its worker."""
+    if self.offload != "cpu":
+      return self.replica_devices
+    return [tf.DeviceSpec.from_string(d).replace(
+        device_type="CPU", device_index=0).to_string()
+            for d in self.replica_devices]
+
+  def new_slice(self, reference, name, values=None, devices=None,
+                trainable=False):
+    return slices.new_slice_variable(
+        self.strategy, f"{reference.path.replace('/', '_')}_{name}",
+        slices.slice_size(reference.shape, self.replicas), reference.dtype,
+        devices or self.state_devices, values, trainable)
+
+  def weight_slices(self, weight):
+    """This host's replicas' slices of a weight's current value."""
+    size = slices.slice_size(weight.shape, self.replicas)
+    return [slices.flat_slice(weight.value, r, size, self.replicas)
+            for r in self.replica_ids]
+
+
+def check_shardable(optimizer, strategy):
+  """Raises a ValueError for an optimizer ZeRO cannot shard."""
   if type(optimizer).__name__ in _REFUSED:
     raise ValueError(
         f"tfpar.ZeRO cannot shard {type(optimizer).__name__}: its state "
@@ -65,135 +107,165 @@ def shard(optimizer, strategy):
         f"Optimizer {optimizer.name!r} was created outside the model's "
         f"strategy scope ({strategy!r}); create it (and compile the model) "
         f"inside strategy.scope() for tfpar.ZeRO to shard it.")
-  replicas = strategy.num_replicas_in_sync
-  state = {"proxies": {}, "slots": {}, "replicas": replicas}
+  if optimizer.use_ema:
+    raise ValueError(
+        f"tfpar.ZeRO does not shard optimizers with use_ema=True (the "
+        f"moving averages are full-size copies of the weights). Received "
+        f"optimizer {optimizer.name!r} with use_ema=True.")
+
+
+def shard(optimizer, state):
+  """Makes an unbuilt Keras optimizer keep 1/N of its state per replica.
+
+  Args:
+    optimizer: a Keras optimizer, not built yet (see `check_shardable`).
+    state: its `ZeroState`; under stage 3 its entries already hold the
+      model's sliced weights.
+  """
   object.__setattr__(optimizer, "_tfpar_zero", state)
   original_from_reference = optimizer.add_variable_from_reference
   original_build = optimizer.build
+  unsharded = ("gradient_accumulator",) if state.stage == 1 else ()
 
   def add_variable_from_reference(reference_variable, name=None,
                                   initializer="zeros"):
-    if name in _UNSHARDED_SLOTS:
+    if name in unsharded:
       return original_from_reference(reference_variable, name, initializer)
-    slot = _on_read_variable(
-        optimizer, (_slice_size(reference_variable, replicas),), initializer,
-        reference_variable.dtype,
-        f"{reference_variable.path.replace('/', '_')}_{name or 'var'}")
-    state["slots"][id(slot)] = reference_variable
+    size = slices.slice_size(reference_variable.shape, state.replicas)
+    value = keras.initializers.get(initializer)((size,),
+                                                reference_variable.dtype)
+    slot = state.new_slice(reference_variable, name or "var",
+                           [value] * len(state.replica_ids))
+    optimizer._track_variable(slot)  # pylint: disable=protected-access
+    state.slot_references[id(slot)] = reference_variable
     return slot
 
   def build(variables):
     if optimizer.built:
       return
-    with strategy.scope():
+    with state.strategy.scope():
       original_build(variables)
       for variable in variables:
-        proxy = _on_read_variable(
-            optimizer, (_slice_size(variable, replicas),), "zeros",
-            variable.dtype, f"{variable.path.replace('/', '_')}_zero_slice")
-        optimizer._trainable_variables_indices[optimizer._var_key(proxy)] = (  # pylint: disable=protected-access
-            optimizer._get_variable_index(variable))  # pylint: disable=protected-access
-        state["proxies"][id(variable.value)] = (proxy, variable)
+        if id(variable) in state.entries:
+          continue  # Stage 3: the weight is its own slice.
+        proxy = state.new_slice(variable, "zero_slice",
+                                state.weight_slices(variable))
+        optimizer._track_variable(proxy)  # pylint: disable=protected-access
+        state.entries[id(variable)] = Entry(variable, proxy,
+                                            proxy.shape[0])
+      for entry in state.entries.values():
+        optimizer._trainable_variables_indices[  # pylint: disable=protected-access
+            optimizer._var_key(entry.slice)] = (  # pylint: disable=protected-access
+                optimizer._get_variable_index(entry.weight))  # pylint: disable=protected-access
 
-  def clip_gradients(grads):
-    return grads  # Clipped after the all-reduce, as one device does.
+  def apply_gradients(grads, trainable_variables):
+    _apply_sharded(optimizer, state, list(grads), list(trainable_variables))
 
-  original_clip = type(optimizer)._clip_gradients  # pylint: disable=protected-access
-
-  # TFOptimizer._backend_update_step (which subclasses such as Nadam extend)
-  # all-reduces, then updates every variable. The sharded update happens in
-  # place of the all-reduce; nothing is left for the full update.
-  def all_reduce_and_update(grads_and_vars):
-    context = tf.distribute.get_replica_context()
-    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                 [g for g, _ in pairs])
-    reduced = original_clip(optimizer, reduced)
-    replica = context.replica_id_in_sync_group
-    learning_rate = optimizer.learning_rate
-    updated = []
-    for grad, (_, tf_variable) in zip(reduced, pairs):
-      proxy, variable = state["proxies"][id(tf_variable)]
-      size = proxy.shape[0]
-      start = replica * size
-      proxy.assign(_slice(variable.value, start, size, replicas))
-      optimizer.update_step(_slice(grad, start, size, replicas), proxy,
-                            learning_rate)
-      whole = context.all_gather(tf.convert_to_tensor(proxy.value), 0)
-      updated.append(tf.reshape(
-          whole[:int(np.prod(variable.shape))], variable.shape))
-
-    def assign_all(distribution, values):
-      for (_, tf_variable), value in zip(pairs, values):
-        distribution.extended.update(
-            tf_variable, lambda v, x: v.assign(x), args=(value,),
-            group=False)
-    context.merge_call(assign_all, args=(updated,))
-    return []
-
-  def logical_entries():
-    """(variable, reference or None) in the order an unsharded optimizer
-    has its variables; slices are left out of it."""
-    proxies = {id(p) for p, _ in state["proxies"].values()}
-    return [(v, state["slots"].get(id(v))) for v in optimizer.variables
-            if id(v) not in proxies]
-
-  def save_own_variables(store):
-    for index, (variable, reference) in enumerate(logical_entries()):
-      if reference is None:
-        store[str(index)] = np.asarray(variable.numpy())
-      else:
-        store[str(index)] = _whole(variable, reference)
-
-  def load_own_variables(store):
-    entries = logical_entries()
-    if len(store.keys()) != len(entries):
-      raise ValueError(
-          f"Optimizer {optimizer.name!r} has {len(entries)} logical "
-          f"variables but the checkpoint lists {len(store.keys())}.")
-    for index, (variable, reference) in enumerate(entries):
-      if reference is None:
-        variable.assign(store[str(index)])
-      else:
-        _assign_whole(variable, np.asarray(store[str(index)]), replicas)
-
-  object.__setattr__(optimizer, "save_own_variables", save_own_variables)
-  object.__setattr__(optimizer, "load_own_variables", load_own_variables)
   object.__setattr__(optimizer, "add_variable_from_reference",
                      add_variable_from_reference)
   object.__setattr__(optimizer, "build", build)
-  object.__setattr__(optimizer, "_clip_gradients", clip_gradients)
-  object.__setattr__(optimizer, "_all_reduce_sum_gradients",
-                     all_reduce_and_update)
+  object.__setattr__(optimizer, "_backend_apply_gradients", apply_gradients)
 
 
-def _slice(value, start, size, replicas):
-  """Elements [start, start + size) of `value` flattened and zero-padded
-  to `size * replicas`."""
-  flat = tf.reshape(tf.convert_to_tensor(value), [-1])
-  flat = tf.pad(flat, [[0, size * replicas - flat.shape[0]]])
-  return tf.slice(flat, [start], [size])
+def _apply_sharded(optimizer, state, grads, variables):
+  entries = [state.entries[id(v)] for v in variables]
+  phase = collectives.OPTIMIZER
+  if state.stage == 3:
+    reduce = lambda g, e: g  # The tape's gradients are reduced slices.
+  else:
+    reduce = lambda g, e: collectives.reduce_scatter(
+        _padded(g, e.size * state.replicas), phase, e.weight.path)
+  steps = optimizer.gradient_accumulation_steps
+  if not steps:
+    _update(optimizer, state, entries,
+            [reduce(g, e) for g, e in zip(grads, entries)])
+    return
+  accumulators = [slices.local_component(
+      optimizer._accumulated_gradients[optimizer._get_variable_index(v)])  # pylint: disable=protected-access
+                  for v in variables]
+  if state.stage != 1:
+    grads = [reduce(g, e) for g, e in zip(grads, entries)]
+    reduce = lambda g, e: g
+
+  def update():
+    totals = [reduce((g + a) / steps, e)
+              for g, a, e in zip(grads, accumulators, entries)]
+    _update(optimizer, state, entries, totals)
+    for accumulator in accumulators:
+      accumulator.assign(tf.zeros_like(accumulator))
+
+  def accumulate():
+    for grad, accumulator in zip(grads, accumulators):
+      accumulator.assign_add(grad)
+
+  is_update_step = (optimizer._iterations + 1) % steps == 0  # pylint: disable=protected-access
+  tf.cond(is_update_step, update, accumulate)
 
 
-def _components(variable):
-  value = variable.value
-  return getattr(value, "values", (value,))
+def _padded(grad, length):
+  flat = tf.reshape(tf.convert_to_tensor(grad), [-1])
+  return tf.pad(flat, [[0, length - flat.shape[0]]])
 
 
-def _whole(slot, reference):
-  """The full-shape value of a sliced slot (this host's replicas)."""
-  flat = np.concatenate([np.asarray(c.read_value()) for c in
-                         _components(slot)])
-  size = int(np.prod(reference.shape))
-  if flat.shape[0] < size:
-    raise ValueError(
-        "tfpar.ZeRO checkpoints need every replica on this host; "
-        "saving from a multi-worker job is not supported yet.")
-  return flat[:size].reshape(reference.shape)
+def _update(optimizer, state, entries, grad_slices):
+  """Clips, decays and updates each replica's slices; stages 1-2 then
+  all-gather the slices into the weights."""
+  context = tf.distribute.get_replica_context()
+  replica = context.replica_id_in_sync_group
+  grad_slices = _clip(optimizer, grad_slices)
+  learning_rate = optimizer.learning_rate
+  device = state.state_devices[context._replica_id]  # pylint: disable=protected-access
+  for entry, grad in zip(entries, grad_slices):
+    weight, piece = entry.weight, entry.slice
+    with tf.device(device):
+      if state.stage != 3:
+        piece.assign(slices.flat_slice(weight.value, replica, entry.size,
+                                       state.replicas))
+      if optimizer.weight_decay and optimizer._use_weight_decay(weight):  # pylint: disable=protected-access
+        rate = tf.cast(learning_rate, piece.dtype)
+        decay = tf.cast(optimizer.weight_decay, piece.dtype)
+        piece.assign(piece - piece * decay * rate)
+      optimizer.update_step(grad, piece, learning_rate)
+    if state.stage != 3:
+      whole = collectives.all_gather(tf.convert_to_tensor(piece.value),
+                                     collectives.OPTIMIZER, weight.path)
+      slices.local_component(weight).assign(tf.reshape(
+          whole[:weight.shape.num_elements()], weight.shape))
 
 
-def _assign_whole(slot, value, replicas):
-  size = _components(slot)[0].shape[0]
-  flat = np.pad(value.reshape(-1), (0, size * replicas - value.size))
-  for index, component in enumerate(_components(slot)):
-    component.assign(flat[index * size:(index + 1) * size])
+def _clip(optimizer, grad_slices):
+  """Keras's clipping, with norms summed over every replica's slices."""
+  phase = collectives.OPTIMIZER
+  if optimizer.clipnorm and optimizer.clipnorm > 0:
+    squares = collectives.all_reduce_sum(
+        tf.stack([tf.reduce_sum(tf.square(g)) for g in grad_slices]), phase,
+        "clipnorm")
+    clip = optimizer.clipnorm
+    result = []
+    for index, grad in enumerate(grad_slices):
+      l2sum = squares[index]
+      norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)),
+                      l2sum)
+      result.append(grad * clip / tf.maximum(norm, clip))
+    return result
+  if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+    square = collectives.all_reduce_sum(
+        tf.add_n([tf.reduce_sum(tf.square(g)) for g in grad_slices])[None],
+        phase, "global_clipnorm")[0]
+    norm = tf.sqrt(square)
+    clip = optimizer.global_clipnorm
+    scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+    return [g * scale for g in grad_slices]
+  if optimizer.clipvalue and optimizer.clipvalue > 0:
+    value = optimizer.clipvalue
+    return [tf.clip_by_value(g, -value, value) for g in grad_slices]
+  return grad_slices
+
+
+def logical_entries(optimizer):
+  """(optimizer variable, weight it slices or None) in the order an
+  unsharded optimizer has its variables; weight slices are left out."""
+  state = optimizer._tfpar_zero  # pylint: disable=protected-access
+  pieces = {id(e.slice) for e in state.entries.values()}
+  return [(v, state.slot_references.get(id(v))) for v in optimizer.variables
+          if id(v) not in pieces]

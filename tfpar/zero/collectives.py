@@ -1,0 +1,69 @@
+"""The collectives of ZeRO, issued by each replica on its own device.
+
+They go straight to the strategy's per-replica collective launcher, without
+`merge_call`, so they also work inside `tf.cond` (gradient accumulation).
+TensorFlow has no reduce-scatter kernel on CPU (`CollectiveReduceScatterV2`
+is GPU-only), so the reduce-scatter is an all-to-all followed by a local
+sum, which moves the same bytes. Every op is recorded in open
+`tfpar.CommunicationLog`s with the bytes this device sends.
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.ops import collective_ops
+
+from tfpar.tensor_parallel import instrument
+
+OPTIMIZER = "optimizer"  # Phase of the collectives of the update step.
+
+
+def _launcher(context):
+  extended = context.strategy.extended
+  for name in ("_collective_ops", "_cross_device_ops",
+               "_inferred_cross_device_ops"):
+    ops = getattr(extended, name, None)
+    if isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+      return ops._launchers[context._replica_id]  # pylint: disable=protected-access
+  raise ValueError(
+      f"tfpar.ZeRO needs a strategy that runs collective ops "
+      f"(MirroredStrategy, MultiWorkerMirroredStrategy or a tfpar "
+      f"strategy); {type(context.strategy).__name__} uses "
+      f"{type(getattr(extended, '_cross_device_ops', None)).__name__}.")
+
+
+def all_gather(flat_slice, phase, name):
+  """Concatenates every replica's slice, in replica order."""
+  context = tf.distribute.get_replica_context()
+  launcher = _launcher(context)
+  count = context.num_replicas_in_sync
+  instrument.record("all-gather", phase,
+                    instrument.moved_bytes(flat_slice, count - 1), name)
+  return launcher._all_gather(flat_slice, None)  # pylint: disable=protected-access
+
+
+def reduce_scatter(flat, phase, name):
+  """This replica's slice of the sum over replicas of `flat` (a vector
+  whose length is a multiple of the replica count)."""
+  context = tf.distribute.get_replica_context()
+  launcher = _launcher(context)
+  count = context.num_replicas_in_sync
+  chunks = tf.reshape(flat, [count, -1])
+  instrument.record("reduce-scatter", phase,
+                    instrument.moved_bytes(chunks[0], count - 1), name)
+  instance_key = launcher._next_instance_key()  # pylint: disable=protected-access
+  with tf.device(launcher._device):  # pylint: disable=protected-access
+    received = collective_ops.all_to_all_v2(
+        chunks, launcher._group_size, launcher._group_key, instance_key,  # pylint: disable=protected-access
+        ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+    return tf.reduce_sum(tf.reshape(received, [count, -1]), axis=0)
+
+
+def all_reduce_sum(values, phase, name):
+  """The sum over replicas of a small vector (gradient norms)."""
+  context = tf.distribute.get_replica_context()
+  count = context.num_replicas_in_sync
+  # A ring all-reduce sends 2 (N - 1) / N of the vector from each device.
+  instrument.record("all-reduce", phase,
+                    instrument.moved_bytes(values, 2) * (count - 1) // count,
+                    name)
+  return _launcher(context).all_reduce(values)

@@ -1,0 +1,103 @@
+"""ZeRO stage 3: each replica keeps 1/N of every trainable weight.
+
+A weight's only storage becomes a slice variable (replica r holds slice r).
+Inside a replica the Keras variable reads as the whole weight, all-gathered
+where a layer uses it; the gather's gradient is a reduce-scatter, so the
+tape hands the optimizer each replica's slice of the summed gradient.
+Outside replicas (`get_weights`, saving, `assign`) the variable behaves as
+the whole weight.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar.zero import collectives
+from tfpar.zero import slices
+from tfpar.zero.sharded_optimizer import Entry
+from tfpar.tensor_parallel import instrument
+
+_VARIABLE_VALUE = "VARIABLE_VALUE"
+_classes = {}
+
+
+def _in_replica():
+  return (tf.distribute.has_strategy() and
+          not tf.distribute.in_cross_replica_context())
+
+
+class GatheredWeight:
+  """Mixin for a Keras variable whose storage is a ZeRO-3 slice variable."""
+
+  def _tfpar_whole_tensor(self):
+    parts = [c.read_value() for c in slices.components(self)]
+    flat = tf.concat(parts, 0)[:self.shape.num_elements()]
+    return tf.reshape(flat, self.shape)
+
+  def _tfpar_gathered(self):
+    if not _in_replica():
+      return self._tfpar_whole_tensor()
+    count = tf.distribute.get_replica_context().num_replicas_in_sync
+    size = slices.components(self)[0].shape[0]
+    shape, elements, path = self.shape, self.shape.num_elements(), self.path
+
+    @tf.custom_gradient
+    def gather(piece):
+      whole = collectives.all_gather(piece, instrument.FORWARD, path)
+
+      def grad(upstream):
+        flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
+        flat = tf.pad(flat, [[0, size * count - elements]])
+        return collectives.reduce_scatter(flat, instrument.BACKWARD, path)
+      return tf.reshape(whole[:elements], shape), grad
+    return gather(tf.convert_to_tensor(self._value))
+
+  def __tf_tensor__(self, dtype=None, name=None):
+    return tf.convert_to_tensor(self._tfpar_gathered(), dtype=dtype,
+                                name=name)
+
+  def numpy(self):
+    return slices.whole(self, self.shape)
+
+  def __array__(self, dtype=None):
+    return np.asarray(self.numpy(), dtype=dtype)
+
+  def _direct_assign(self, value):
+    if _in_replica():
+      raise ValueError(
+          f"Weight {self.path!r} is sharded by tfpar.ZeRO(stage=3); only "
+          f"the optimizer updates it inside a training step.")
+    strategy = self._value.distribute_strategy  # pylint: disable=protected-access
+    slices.assign_whole(self, np.asarray(value),
+                        strategy.num_replicas_in_sync,
+                        slices.local_replica_ids(strategy))
+
+  # tf.train.Checkpoint: the whole weight, as an unsharded model saves it.
+  def _serialize_to_tensors(self):
+    return {_VARIABLE_VALUE: self._tfpar_whole_tensor()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    self._direct_assign(restored_tensors[_VARIABLE_VALUE])
+
+
+def _gathered_class(cls):
+  if cls not in _classes:
+    _classes[cls] = type(f"Gathered{cls.__name__}", (GatheredWeight, cls), {})
+  return _classes[cls]
+
+
+def shard(model, state):
+  """Replaces the storage of `model`'s trainable weights by slices.
+
+  Args:
+    model: a built Keras model under `state.strategy`.
+    state: the optimizer's `ZeroState`; gets one `Entry` per weight.
+  """
+  with state.strategy.scope():
+    for weight in model.trainable_variables:
+      if isinstance(weight, GatheredWeight):
+        continue
+      piece = state.new_slice(weight, "zero3", state.weight_slices(weight),
+                              devices=state.replica_devices, trainable=True)
+      weight._value = piece._value  # pylint: disable=protected-access
+      weight.__class__ = _gathered_class(type(weight))
+      state.entries[id(weight)] = Entry(weight, piece, piece.shape[0])

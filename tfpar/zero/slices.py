@@ -1,0 +1,113 @@
+"""Per-replica slices of flattened weights: the storage of every ZeRO stage.
+
+A weight of n elements, flattened and zero-padded to a multiple of N
+replicas, is cut into N slices of `ceil(n / N)` elements; replica r owns
+slice r. A slice variable is a `SyncOnReadVariable` whose component r,
+placed on replica r's device (or on the host with CPU offload), holds
+slice r; in a replica context it reads as that replica's slice.
+"""
+
+import math
+
+from keras.src import backend
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import values as values_lib
+from tensorflow.python.ops import resource_variable_ops
+
+
+def slice_size(shape, replicas):
+  """Elements of one replica's slice of a weight of `shape`."""
+  return max(1, math.ceil(int(np.prod(shape)) / replicas))
+
+
+def local_replica_ids(strategy):
+  """Global replica ids of this worker's replicas, in component order."""
+  extended = strategy.extended
+  local = len(extended.worker_devices)
+  first = getattr(extended, "_id_in_cluster", 0) * local
+  return list(range(first, first + local))
+
+
+def flat_slice(value, replica, size, replicas):
+  """Slice `replica` of `value` flattened and zero-padded (a tensor)."""
+  flat = tf.reshape(tf.convert_to_tensor(value), [-1])
+  flat = tf.pad(flat, [[0, size * replicas - flat.shape[0]]])
+  return tf.slice(flat, [replica * size], [size])
+
+
+def new_slice_variable(strategy, name, size, dtype, devices, values=None,
+                       trainable=False):
+  """A Keras variable holding one slice per local replica.
+
+  Args:
+    strategy: the strategy whose replicas own the slices.
+    name: the variable name.
+    size: elements per slice.
+    dtype: its dtype.
+    devices: the device of each local replica's component.
+    values: one initial value per local replica, or None for zeros.
+    trainable: whether gradient tapes watch the components (model
+      parameters under stage 3).
+
+  Returns:
+    A `keras.Variable` of shape `(size,)` whose value is a
+    `SyncOnReadVariable`.
+  """
+  if values is None:
+    values = [tf.zeros([size], dtype) for _ in devices]
+  components = []
+  with tf.init_scope():
+    for index, (device, value) in enumerate(zip(devices, values)):
+      with tf.device(device):
+        # Constructed directly (not through tf.Variable), so no strategy
+        # creator moves it or refuses a trainable ON_READ variable.
+        components.append(resource_variable_ops.ResourceVariable(
+            initial_value=tf.identity(value), dtype=dtype,
+            trainable=trainable, name=f"{name}/replica_{index}"))
+    sliced = values_lib.SyncOnReadVariable(
+        strategy, components, tf.VariableAggregation.NONE)
+    return backend.Variable(sliced, trainable=trainable, name=name)
+
+
+def components(variable):
+  """The per-replica tf.Variables behind a Keras variable."""
+  value = variable.value
+  return getattr(value, "values", (value,))
+
+
+def local_component(variable):
+  """The calling replica's component (in a replica context)."""
+  return variable.value._get()  # pylint: disable=protected-access
+
+
+def whole(slice_variable, shape):
+  """The full-shape NumPy value of a sliced variable.
+
+  Raises:
+    ValueError: some replicas' slices live on other workers.
+  """
+  parts = components(slice_variable)
+  flat = np.concatenate([np.asarray(c.read_value()) for c in parts])
+  size = int(np.prod(shape))
+  if flat.shape[0] < size:
+    raise ValueError(
+        "Reading a whole ZeRO-sharded tensor needs every replica's slice on "
+        "this host; in a multi-worker job the slices are spread over the "
+        "workers. Saving checkpoints of multi-worker ZeRO runs is not "
+        "supported yet.")
+  return flat[:size].reshape(shape)
+
+
+def assign_whole(slice_variable, value, replicas, replica_ids):
+  """Splits a full-shape value into the slices of this host's replicas."""
+  value = np.asarray(value)
+  parts = components(slice_variable)
+  size = parts[0].shape[0]
+  if value.size > size * replicas:
+    raise ValueError(
+        f"Cannot assign {value.size} elements to a tensor sliced into "
+        f"{replicas} slices of {size}.")
+  flat = np.pad(value.reshape(-1), (0, size * replicas - value.size))
+  for replica, component in zip(replica_ids, parts):
+    component.assign(flat[replica * size:(replica + 1) * size])
