@@ -35,7 +35,7 @@ _EXPORTS = {
     "ZeRO": "tfpar.zero",
 }
 _SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh",
-               "tensor_parallel")
+               "tensor_parallel", "zero")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -1,3 +1,5 @@
-"""ZeRO: optimizer state sharded over the data-parallel replicas."""
+"""ZeRO: optimizer state, gradients and weights sharded over the replicas."""
 
 from tfpar.zero.callback import ZeRO
+from tfpar.zero.estimate import estimate_bytes
+from tfpar.zero.estimate import ZeroEstimate

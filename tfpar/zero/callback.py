@@ -88,6 +88,7 @@ class ZeRO(keras.callbacks.Callback):
     state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy)
     if self.stage == 3:
       sharded_weights.shard(model, state)
+      sharded_weights.regather_in_backward(model)
     sharded_optimizer.shard(optimizer, state)
     checkpoint.install(optimizer)
 

@@ -17,8 +17,11 @@ from tfpar.tensor_parallel import instrument
 OPTIMIZER = "optimizer"  # Phase of the collectives of the update step.
 
 
-def _launcher(context):
+def _launcher(context, column=None):
   extended = context.strategy.extended
+  if column:  # Shard `column` of a tensor-parallel weight.
+    ops = extended._column_cross_device_ops(column)  # pylint: disable=protected-access
+    return ops._launchers[context._replica_id]  # pylint: disable=protected-access
   for name in ("_collective_ops", "_cross_device_ops",
                "_inferred_cross_device_ops"):
     ops = getattr(extended, name, None)
@@ -31,21 +34,30 @@ def _launcher(context):
       f"{type(getattr(extended, '_cross_device_ops', None)).__name__}.")
 
 
-def all_gather(flat_slice, phase, name):
-  """Concatenates every replica's slice, in replica order."""
+def all_gather(flat_slice, phase, name, column=None):
+  """Concatenates every replica's slice, in replica order.
+
+  Args:
+    flat_slice: this replica's slice.
+    phase: "forward", "backward" or "optimizer" (for the log).
+    name: the weight's path (for the log).
+    column: under tensor parallelism, the index of the devices holding the
+      slices within each replica (None or 0: the replica heads).
+  """
   context = tf.distribute.get_replica_context()
-  launcher = _launcher(context)
+  launcher = _launcher(context, column)
   count = context.num_replicas_in_sync
   instrument.record("all-gather", phase,
                     instrument.moved_bytes(flat_slice, count - 1), name)
   return launcher._all_gather(flat_slice, None)  # pylint: disable=protected-access
 
 
-def reduce_scatter(flat, phase, name):
+def reduce_scatter(flat, phase, name, column=None):
   """This replica's slice of the sum over replicas of `flat` (a vector
-  whose length is a multiple of the replica count)."""
+  whose length is a multiple of the replica count); arguments as for
+  `all_gather`."""
   context = tf.distribute.get_replica_context()
-  launcher = _launcher(context)
+  launcher = _launcher(context, column)
   count = context.num_replicas_in_sync
   chunks = tf.reshape(flat, [count, -1])
   instrument.record("reduce-scatter", phase,

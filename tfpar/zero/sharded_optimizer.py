@@ -38,10 +38,15 @@ class Entry:
     slice: a slice variable: a copy of the weight's slice (stages 1-2) or
       the weight's only storage (stage 3).
     size: elements per slice.
+    devices: the device of each local replica's slice.
+    column: under tensor parallelism, the index within each replica of
+      the device holding the weight (its shard), else None.
   """
   weight: object
   slice: object
   size: int
+  devices: list
+  column: object = None
 
 
 @dataclasses.dataclass
@@ -61,26 +66,34 @@ class ZeroState:
   def replica_ids(self):
     return slices.local_replica_ids(self.strategy)
 
-  @property
-  def replica_devices(self):
-    return list(self.strategy.extended.worker_devices)
+  def weight_devices(self, weight):
+    """The device of each local replica's copy (or shard) of a weight."""
+    return [c.device for c in slices.components(weight)]
 
-  @property
-  def state_devices(self):
-    """Where optimizer state lives: each replica's device, or with CPU
-    offload the host CPU of its worker."""
+  def state_devices(self, weight):
+    """Where a weight's optimizer state lives: beside each replica's copy
+    of the weight, or with CPU offload on the host CPU of its worker."""
+    devices = self.weight_devices(weight)
     if self.offload != "cpu":
-      return self.replica_devices
+      return devices
     return [tf.DeviceSpec.from_string(d).replace(
-        device_type="CPU", device_index=0).to_string()
-            for d in self.replica_devices]
+        device_type="CPU", device_index=0).to_string() for d in devices]
+
+  def column(self, weight):
+    column_of = getattr(self.strategy.extended, "_column_of", None)
+    return column_of(weight.value) if column_of else None
 
   def new_slice(self, reference, name, values=None, devices=None,
                 trainable=False):
     return slices.new_slice_variable(
         self.strategy, f"{reference.path.replace('/', '_')}_{name}",
         slices.slice_size(reference.shape, self.replicas), reference.dtype,
-        devices or self.state_devices, values, trainable)
+        devices or self.state_devices(reference), values, trainable)
+
+  def add_entry(self, weight, piece):
+    self.entries[id(weight)] = Entry(
+        weight, piece, piece.shape[0], self.state_devices(weight),
+        self.column(weight))
 
   def weight_slices(self, weight):
     """This host's replicas' slices of a weight's current value."""
@@ -151,8 +164,7 @@ def shard(optimizer, state):
         proxy = state.new_slice(variable, "zero_slice",
                                 state.weight_slices(variable))
         optimizer._track_variable(proxy)  # pylint: disable=protected-access
-        state.entries[id(variable)] = Entry(variable, proxy,
-                                            proxy.shape[0])
+        state.add_entry(variable, proxy)
       for entry in state.entries.values():
         optimizer._trainable_variables_indices[  # pylint: disable=protected-access
             optimizer._var_key(entry.slice)] = (  # pylint: disable=protected-access
@@ -174,7 +186,7 @@ def _apply_sharded(optimizer, state, grads, variables):
     reduce = lambda g, e: g  # The tape's gradients are reduced slices.
   else:
     reduce = lambda g, e: collectives.reduce_scatter(
-        _padded(g, e.size * state.replicas), phase, e.weight.path)
+        _padded(g, e.size * state.replicas), phase, e.weight.path, e.column)
   steps = optimizer.gradient_accumulation_steps
   if not steps:
     _update(optimizer, state, entries,
@@ -212,12 +224,11 @@ def _update(optimizer, state, entries, grad_slices):
   all-gather the slices into the weights."""
   context = tf.distribute.get_replica_context()
   replica = context.replica_id_in_sync_group
-  grad_slices = _clip(optimizer, grad_slices)
+  grad_slices = _clip(optimizer, entries, grad_slices)
   learning_rate = optimizer.learning_rate
-  device = state.state_devices[context._replica_id]  # pylint: disable=protected-access
   for entry, grad in zip(entries, grad_slices):
     weight, piece = entry.weight, entry.slice
-    with tf.device(device):
+    with tf.device(entry.devices[context._replica_id]):  # pylint: disable=protected-access
       if state.stage != 3:
         piece.assign(slices.flat_slice(weight.value, replica, entry.size,
                                        state.replicas))
@@ -228,22 +239,29 @@ def _update(optimizer, state, entries, grad_slices):
       optimizer.update_step(grad, piece, learning_rate)
     if state.stage != 3:
       whole = collectives.all_gather(tf.convert_to_tensor(piece.value),
-                                     collectives.OPTIMIZER, weight.path)
+                                     collectives.OPTIMIZER, weight.path,
+                                     entry.column)
       slices.local_component(weight).assign(tf.reshape(
           whole[:weight.shape.num_elements()], weight.shape))
 
 
-def _clip(optimizer, grad_slices):
-  """Keras's clipping, with norms summed over every replica's slices."""
+def _clip(optimizer, entries, grad_slices):
+  """Keras's clipping, with norms summed over every replica's slices (and
+  over the shards of a tensor-parallel weight)."""
   phase = collectives.OPTIMIZER
   if optimizer.clipnorm and optimizer.clipnorm > 0:
     squares = collectives.all_reduce_sum(
         tf.stack([tf.reduce_sum(tf.square(g)) for g in grad_slices]), phase,
         "clipnorm")
+    logical = [id(getattr(e.weight, "_tfpar_shard_of", (e.weight,))[0])
+               for e in entries]
+    totals = {}
+    for index, key in enumerate(logical):
+      totals[key] = totals.get(key, 0.0) + squares[index]
     clip = optimizer.clipnorm
     result = []
-    for index, grad in enumerate(grad_slices):
-      l2sum = squares[index]
+    for key, grad in zip(logical, grad_slices):
+      l2sum = totals[key]
       norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)),
                       l2sum)
       result.append(grad * clip / tf.maximum(norm, clip))

@@ -8,16 +8,18 @@ Outside replicas (`get_weights`, saving, `assign`) the variable behaves as
 the whole weight.
 """
 
+import threading
+
 import numpy as np
 import tensorflow as tf
 
 from tfpar.zero import collectives
 from tfpar.zero import slices
-from tfpar.zero.sharded_optimizer import Entry
 from tfpar.tensor_parallel import instrument
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 _classes = {}
+_phase = threading.local()  # Set to BACKWARD while a layer is recomputed.
 
 
 def _in_replica():
@@ -39,15 +41,18 @@ class GatheredWeight:
     count = tf.distribute.get_replica_context().num_replicas_in_sync
     size = slices.components(self)[0].shape[0]
     shape, elements, path = self.shape, self.shape.num_elements(), self.path
+    column = self._tfpar_zero_column
 
     @tf.custom_gradient
     def gather(piece):
-      whole = collectives.all_gather(piece, instrument.FORWARD, path)
+      phase = getattr(_phase, "current", instrument.FORWARD)
+      whole = collectives.all_gather(piece, phase, path, column)
 
       def grad(upstream):
         flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
         flat = tf.pad(flat, [[0, size * count - elements]])
-        return collectives.reduce_scatter(flat, instrument.BACKWARD, path)
+        return collectives.reduce_scatter(flat, instrument.BACKWARD, path,
+                                          column)
       return tf.reshape(whole[:elements], shape), grad
     return gather(tf.convert_to_tensor(self._value))
 
@@ -97,7 +102,43 @@ def shard(model, state):
       if isinstance(weight, GatheredWeight):
         continue
       piece = state.new_slice(weight, "zero3", state.weight_slices(weight),
-                              devices=state.replica_devices, trainable=True)
+                              devices=state.weight_devices(weight),
+                              trainable=True)
+      state.add_entry(weight, piece)
+      weight._tfpar_zero_column = state.column(weight)  # pylint: disable=protected-access
       weight._value = piece._value  # pylint: disable=protected-access
       weight.__class__ = _gathered_class(type(weight))
-      state.entries[id(weight)] = Entry(weight, piece, piece.shape[0])
+
+
+
+def _recomputed(call):
+  """`call`, run again in the backward pass (gathering the weights again)
+  instead of keeping its gathered weights alive until then."""
+  def wrapped(*args, **kwargs):
+    if not _in_replica():
+      return call(*args, **kwargs)
+    runs = []
+
+    def run(*inputs):
+      runs.append(None)
+      previous = getattr(_phase, "current", instrument.FORWARD)
+      _phase.current = instrument.BACKWARD if len(runs) > 1 else previous
+      try:
+        return call(*inputs, **kwargs)
+      finally:
+        _phase.current = previous
+    return tf.recompute_grad(run)(*args)
+  return wrapped
+
+
+def regather_in_backward(model):
+  """Makes every layer that owns trainable weights gather them again for
+  its backward pass, so that gathered weights live only while used.
+
+  Layers that draw random numbers (dropout inside the layer) are left as
+  they are: recomputing them would draw new masks.
+  """
+  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+    if (layer._trainable_variables and  # pylint: disable=protected-access
+        not getattr(layer, "_seed_generators", None)):
+      layer.call = _recomputed(layer.call)
