@@ -90,7 +90,7 @@ class ZeRO(keras.callbacks.Callback):
       sharded_weights.shard(model, state)
       sharded_weights.regather_in_backward(model)
     sharded_optimizer.shard(optimizer, state)
-    checkpoint.install(optimizer)
+    checkpoint.install(optimizer, model)
 
   def set_model(self, model):
     super().set_model(model)

@@ -8,41 +8,71 @@ number of replicas, with or without ZeRO, and vice versa.
 
 import numpy as np
 
+from tfpar.tensor_parallel import optimizer as tensor_parallel_optimizer
+from tfpar.tensor_parallel.variables import sharded_weights
 from tfpar.zero import sharded_optimizer
 from tfpar.zero import slices
 
 
-def install(optimizer):
+class WholeSlot:
+  """A sliced optimizer slot seen as the full-shape tensor it slices.
+
+  Args:
+    slot: the slice variable.
+    reference: the weight (or tensor-parallel shard) it belongs to.
+    state: the optimizer's `ZeroState`.
+  """
+
+  def __init__(self, slot, reference, state):
+    self._slot, self._state = slot, state
+    self.name = slot.name
+    self.shape = tuple(reference.shape)
+
+  def numpy(self):
+    return slices.whole(self._slot, self.shape)
+
+  def assign(self, value):
+    value = np.asarray(value)
+    if tuple(value.shape) != self.shape:
+      raise ValueError(
+          f"Cannot load a value of shape {tuple(value.shape)} into "
+          f"optimizer variable {self.name!r} of shape {self.shape}.")
+    slices.assign_whole(self._slot, value, self._state.replicas,
+                        self._state.replica_ids)
+
+
+def _entries(optimizer, model):
+  state = optimizer._tfpar_zero  # pylint: disable=protected-access
+  entries = [v if reference is None else WholeSlot(v, reference, state)
+             for v, reference in sharded_optimizer.logical_entries(optimizer)]
+  weights = sharded_weights(model)
+  if weights:  # Tensor parallelism too: shards' slots become whole slots.
+    entries = tensor_parallel_optimizer._logical_entries(entries, weights)  # pylint: disable=protected-access
+  return entries
+
+
+def install(optimizer, model):
   """Gives a ZeRO optimizer `save_own_variables` / `load_own_variables`
   that read and write whole logical tensors (Keras `.weights.h5`,
   `.keras`, `ModelCheckpoint`, `BackupAndRestore`).
 
   Args:
     optimizer: an optimizer `sharded_optimizer.shard` has prepared.
+    model: its model.
   """
-  state = optimizer._tfpar_zero  # pylint: disable=protected-access
 
   def save_own_variables(store):
-    entries = sharded_optimizer.logical_entries(optimizer)
-    for index, (variable, reference) in enumerate(entries):
-      if reference is None:
-        store[str(index)] = np.asarray(variable.numpy())
-      else:
-        store[str(index)] = slices.whole(variable, reference.shape)
+    for index, entry in enumerate(_entries(optimizer, model)):
+      store[str(index)] = np.asarray(entry.numpy())
 
   def load_own_variables(store):
-    entries = sharded_optimizer.logical_entries(optimizer)
+    entries = _entries(optimizer, model)
     if len(store.keys()) != len(entries):
       raise ValueError(
           f"Optimizer {optimizer.name!r} has {len(entries)} logical "
           f"variables but the checkpoint lists {len(store.keys())}.")
-    for index, (variable, reference) in enumerate(entries):
-      value = np.asarray(store[str(index)])
-      if reference is None:
-        variable.assign(value)
-      else:
-        slices.assign_whole(variable, value, state.replicas,
-                            state.replica_ids)
+    for index, entry in enumerate(entries):
+      entry.assign(np.asarray(store[str(index)]))
 
   object.__setattr__(optimizer, "save_own_variables", save_own_variables)
   object.__setattr__(optimizer, "load_own_variables", load_own_variables)
