@@ -105,3 +105,15 @@ def test_single_task_tf_config_job(tmp_path, reference):
   assert result["num_replicas"] == 2
   assert result["local_devices"][0] == "/job:worker/replica:0/task:0/device:CPU:0"
   _assert_matches_reference(result, reference)
+
+
+def test_two_workers_with_zero_stage2_equal_one_device(tmp_path, reference):
+  run = _launch(str(tmp_path), "--zero-stage", "2")
+  assert run.returncode == 0, run.stdout[-4000:]
+  results = _results(tmp_path)
+  for result in results:
+    _assert_matches_reference(result, reference)
+    # Adam's moments of the 8 x 32 kernel: 256 / 4 replicas per device.
+    assert [64] in result["optimizer_shapes"]
+    assert [8, 32] not in result["optimizer_shapes"]
+  assert results[0]["weights"] == results[1]["weights"]

@@ -3,7 +3,7 @@
 Trains `dp_common`'s model with DataParallelStrategy on the TF_CONFIG mesh
 and writes what each worker saw to `<out_dir>/worker<i>.json`.
 
-Usage: dp_worker.py OUT_DIR [--backup DIR] [--die-in-epoch N]
+Usage: dp_worker.py OUT_DIR [--backup DIR] [--die-in-epoch N] [--zero-stage S]
 """
 
 import argparse
@@ -41,6 +41,7 @@ def main():
   parser.add_argument("out_dir")
   parser.add_argument("--backup")
   parser.add_argument("--die-in-epoch", type=int)
+  parser.add_argument("--zero-stage", type=int)
   args = parser.parse_args()
 
   mesh = tfpar.Mesh.from_cluster_resolver(data=-1)
@@ -56,6 +57,8 @@ def main():
                       save_weights_only=True)]
   if args.die_in_epoch is not None:
     callbacks.append(DieInEpoch(args.die_in_epoch))
+  if args.zero_stage:
+    callbacks.append(tfpar.ZeRO(stage=args.zero_stage))
   history = dp_common.fit(model, x, y, callbacks=callbacks,
                           validation_data=(x[:64], y[:64]))
   result = {
@@ -65,9 +68,12 @@ def main():
       "evaluate": model.evaluate(x, y, batch_size=32, verbose=0),
       "predict": model.predict(x[:100], batch_size=32, verbose=0).tolist(),
       "weights": [w.tolist() for w in model.get_weights()],
+      "optimizer_shapes": [list(v.value.values[0].shape)
+                           for v in model.optimizer.variables
+                           if hasattr(v.value, "values")],
   }
   weights_path = os.path.join(args.out_dir, "weights.weights.h5")
-  if mesh.cluster.is_chief:
+  if mesh.cluster.is_chief and not args.zero_stage:
     model.save_weights(weights_path)
   name = f"worker{mesh.cluster.task_id}.json"
   with open(os.path.join(args.out_dir, name), "w") as f:
