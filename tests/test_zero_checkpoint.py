@@ -69,6 +69,12 @@ def test_checkpoint_lists_what_an_unsharded_optimizer_saves(tmp_path):
                    if isinstance(item, h5py.Dataset) else None)
     return found
   assert shapes("zero.weights.h5") == shapes("plain.weights.h5")
+  # A whole .keras file loads as a plain model with a plain Adam.
+  model.save(str(tmp_path / "zero.keras"))
+  loaded = keras.models.load_model(str(tmp_path / "zero.keras"))
+  assert type(loaded.optimizer) is keras.optimizers.Adam
+  np.testing.assert_allclose(loaded.predict(x[:64], verbose=0),
+                             model.predict(x[:64], verbose=0), atol=1e-6)
 
 
 class _StopAtEpoch(keras.callbacks.Callback):

@@ -173,6 +173,7 @@ def shard(optimizer, state):
   def apply_gradients(grads, trainable_variables):
     _apply_sharded(optimizer, state, list(grads), list(trainable_variables))
 
+  optimizer.__class__ = _with_sharded_update(type(optimizer))
   object.__setattr__(optimizer, "add_variable_from_reference",
                      add_variable_from_reference)
   object.__setattr__(optimizer, "build", build)
@@ -189,8 +190,9 @@ def _apply_sharded(optimizer, state, grads, variables):
         _padded(g, e.size * state.replicas), phase, e.weight.path, e.column)
   steps = optimizer.gradient_accumulation_steps
   if not steps:
-    _update(optimizer, state, entries,
-            [reduce(g, e) for g, e in zip(grads, entries)])
+    optimizer._backend_update_step(  # pylint: disable=protected-access
+        [reduce(g, e) for g, e in zip(grads, entries)], variables,
+        optimizer.learning_rate)
     return
   accumulators = [slices.local_component(
       optimizer._accumulated_gradients[optimizer._get_variable_index(v)])  # pylint: disable=protected-access
@@ -202,7 +204,7 @@ def _apply_sharded(optimizer, state, grads, variables):
   def update():
     totals = [reduce((g + a) / steps, e)
               for g, a, e in zip(grads, accumulators, entries)]
-    _update(optimizer, state, entries, totals)
+    optimizer._backend_update_step(totals, variables, optimizer.learning_rate)  # pylint: disable=protected-access
     for accumulator in accumulators:
       accumulator.assign(tf.zeros_like(accumulator))
 
@@ -212,6 +214,29 @@ def _apply_sharded(optimizer, state, grads, variables):
 
   is_update_step = (optimizer._iterations + 1) % steps == 0  # pylint: disable=protected-access
   tf.cond(is_update_step, update, accumulate)
+
+
+class _ShardedUpdate(keras.optimizers.Optimizer):
+  """Comes right after the optimizer's own class in its method order, so
+  that what the class adds before the update (Nadam's momentum-schedule
+  product) still runs, and then the sharded update replaces the merge_call
+  based one of Keras's TensorFlow optimizer."""
+
+  def _backend_update_step(self, grads, trainable_variables, learning_rate):
+    state = self._tfpar_zero
+    _update(self, state, [state.entries[id(v)] for v in trainable_variables],
+            grads)
+
+
+_classes = {}
+
+
+def _with_sharded_update(cls):
+  if cls not in _classes:
+    sharded = type(cls.__name__, (cls, _ShardedUpdate), {})
+    sharded.__module__, sharded.__qualname__ = cls.__module__, cls.__qualname__
+    _classes[cls] = sharded
+  return _classes[cls]
 
 
 def _padded(grad, length):
