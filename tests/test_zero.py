@@ -15,6 +15,9 @@ from tensorflow.python.ops import resource_variable_ops
 
 import dp_common
 import tfpar
+from zero_common import assert_same_training
+from zero_common import data_parallel
+from zero_common import model_under
 
 STAGES = (1, 2, 3)
 OPTIMIZERS = {
@@ -35,27 +38,6 @@ OPTIMIZERS = {
 }
 # 40 batches: 20 updates even with gradient_accumulation_steps=2.
 EPOCHS = 5
-
-
-def data_parallel():
-  return tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}))
-
-
-def model_under(make_optimizer, strategy=None, seed=1):
-  def build():
-    model = dp_common.build_model(seed=seed)
-    model.compile(optimizer=make_optimizer(), loss="mse")
-    return model
-  if strategy is None:
-    return build()
-  with strategy.scope():
-    return build()
-
-
-def assert_same_training(model, reference, losses, expected):
-  np.testing.assert_allclose(losses, expected, atol=1e-5, rtol=0)
-  for got, want in zip(model.get_weights(), reference.get_weights()):
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -84,7 +66,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import conftest, keras, numpy as np, tensorflow as tf
 import dp_common, tfpar
-from test_zero import model_under
+from zero_common import model_under
 make = lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0)
 x, y = dp_common.make_data()
 reference = model_under(make)

@@ -9,8 +9,8 @@ import pytest
 
 import dp_common
 import tfpar
-from test_zero import data_parallel
-from test_zero import model_under
+from zero_common import data_parallel
+from zero_common import model_under
 
 STAGES = (1, 2, 3)
 
