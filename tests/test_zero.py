@@ -10,7 +10,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 import dp_common
