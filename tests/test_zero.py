@@ -105,15 +105,9 @@ def _tensor_parallel_losses(stage, clipnorm):
       tfpar.Mesh({"data": 2, "tensor": 2}))
   with strategy.scope():
     model = tp_common.compile_model(tp_common.mlp(), clipnorm=clipnorm)
-  losses = []
-
-  class Record(keras.callbacks.Callback):
-
-    def on_train_batch_end(self, batch, logs=None):
-      losses.append(logs["loss"])
-  model.fit(tp_common.dataset(x, y), epochs=2, verbose=0, shuffle=False,
-            callbacks=[Record(), tfpar.ZeRO(stage=stage)])
-  return model, reference, np.array(losses), expected
+  losses = tp_common.step_losses(model, x, y,
+                                 callbacks=[tfpar.ZeRO(stage=stage)])
+  return model, reference, losses, expected
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -81,9 +81,10 @@ def dataset(x, y, batch=BATCH):
       batch, drop_remainder=True)
 
 
-def step_losses(model, x, y, epochs=2):
+def step_losses(model, x, y, epochs=2, callbacks=()):
   """Keras's logged loss after every optimizer step (the running mean of
-  the epoch; equal running means mean equal per-step losses)."""
+  the epoch; equal running means mean equal per-step losses), fitting
+  with `callbacks` too."""
   losses = []
 
   class Record(keras.callbacks.Callback):
@@ -91,5 +92,6 @@ def step_losses(model, x, y, epochs=2):
     def on_train_batch_end(self, batch, logs=None):
       losses.append(logs["loss"])
 
-  model.fit(dataset(x, y), epochs=epochs, verbose=0, callbacks=[Record()])
+  model.fit(dataset(x, y), epochs=epochs, verbose=0,
+            callbacks=[Record(), *callbacks])
   return np.array(losses)

@@ -7,8 +7,19 @@ from typing import Dict
 from tensorflow.python.distribute import values as values_lib
 
 
-def _components(variable):
-  """The per-device tf.Variables behind a Keras (or tf) variable."""
+def components(variable):
+  """The per-device tf.Variables behind a Keras (or tf) variable.
+
+  Args:
+    variable: a Keras variable or a tf.Variable, distributed or not.
+
+  Example:
+
+  >>> import keras
+  >>> from tfpar.memory import components
+  >>> len(components(keras.Variable([1.0, 2.0])))
+  1
+  """
   value = getattr(variable, "_value", variable)
   if isinstance(value, values_lib.DistributedValues):
     return value.values
@@ -68,12 +79,12 @@ def memory_report(model):
   """
   parameters = collections.Counter()
   for variable in model.weights:
-    for component in _components(variable):
+    for component in components(variable):
       parameters[component.device] += _nbytes(component)
   optimizer = collections.Counter()
   model_optimizer = getattr(model, "optimizer", None)
   if model_optimizer is not None and model_optimizer.built:
     for variable in model_optimizer.variables:
-      for component in _components(variable):
+      for component in components(variable):
         optimizer[component.device] += _nbytes(component)
   return MemoryReport(dict(parameters), dict(optimizer))

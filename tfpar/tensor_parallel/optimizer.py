@@ -185,7 +185,8 @@ def _install_logical_clipping(optimizer, model):
       for key, grad in zip(keys, grads):
         if grad is not None:
           sums[key] = sums.get(key, 0.0) + ops.sum(ops.square(grad))
-      grads = [None if g is None else _clip(g, sums[k], optimizer.clipnorm)
+      grads = [None if g is None else clip_by_norm_of(g, sums[k],
+                                                       optimizer.clipnorm)
                for g, k in zip(grads, keys)]
     elif optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
       grads = base_optimizer.clip_by_global_norm(grads,
@@ -200,8 +201,21 @@ def _install_logical_clipping(optimizer, model):
                      all_reduce_then_clip)
 
 
-def _clip(grad, square_sum, clipnorm):
-  """Keras's `_clip_by_norm` with the norm of the whole logical weight."""
+def clip_by_norm_of(grad, square_sum, clipnorm):
+  """Keras's `_clip_by_norm` of `grad`, with the norm given as the sum of
+  squares of the whole weight (`grad` may be a shard or slice of it).
+
+  Args:
+    grad: the gradient (or part of it) to scale.
+    square_sum: the sum of squares of the whole gradient.
+    clipnorm: the optimizer's `clipnorm`.
+
+  Example:
+
+  >>> from tfpar.tensor_parallel.optimizer import clip_by_norm_of
+  >>> round(float(clip_by_norm_of(4.0, 25.0, 1.0)), 6)  # norm 5: scaled by 1/5
+  0.8
+  """
   positive = square_sum > 0
   norm = ops.where(positive, ops.sqrt(ops.where(positive, square_sum, 1.0)),
                    square_sum)

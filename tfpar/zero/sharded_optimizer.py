@@ -22,6 +22,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfpar.tensor_parallel.optimizer import clip_by_norm_of
 from tfpar.zero import collectives
 from tfpar.zero import slices
 
@@ -83,12 +84,12 @@ class ZeroState:
     column_of = getattr(self.strategy.extended, "_column_of", None)
     return column_of(weight.value) if column_of else None
 
-  def new_slice(self, reference, name, values=None, devices=None,
+  def new_slice(self, reference, name, values, devices=None,
                 trainable=False):
     return slices.new_slice_variable(
         self.strategy, f"{reference.path.replace('/', '_')}_{name}",
-        slices.slice_size(reference.shape, self.replicas), reference.dtype,
-        devices or self.state_devices(reference), values, trainable)
+        reference.dtype, devices or self.state_devices(reference), values,
+        trainable)
 
   def add_entry(self, weight, piece):
     self.entries[id(weight)] = Entry(
@@ -187,7 +188,8 @@ def _apply_sharded(optimizer, state, grads, variables):
     reduce = lambda g, e: g  # The tape's gradients are reduced slices.
   else:
     reduce = lambda g, e: collectives.reduce_scatter(
-        _padded(g, e.size * state.replicas), phase, e.weight.path, e.column)
+        slices.padded_flat(g, e.size * state.replicas), phase, e.weight.path,
+        e.column)
   steps = optimizer.gradient_accumulation_steps
   if not steps:
     optimizer._backend_update_step(  # pylint: disable=protected-access
@@ -239,11 +241,6 @@ def _with_sharded_update(cls):
   return _classes[cls]
 
 
-def _padded(grad, length):
-  flat = tf.reshape(tf.convert_to_tensor(grad), [-1])
-  return tf.pad(flat, [[0, length - flat.shape[0]]])
-
-
 def _update(optimizer, state, entries, grad_slices):
   """Clips, decays and updates each replica's slices; stages 1-2 then
   all-gather the slices into the weights."""
@@ -283,14 +280,8 @@ def _clip(optimizer, entries, grad_slices):
     totals = {}
     for index, key in enumerate(logical):
       totals[key] = totals.get(key, 0.0) + squares[index]
-    clip = optimizer.clipnorm
-    result = []
-    for key, grad in zip(logical, grad_slices):
-      l2sum = totals[key]
-      norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)),
-                      l2sum)
-      result.append(grad * clip / tf.maximum(norm, clip))
-    return result
+    return [clip_by_norm_of(grad, totals[key], optimizer.clipnorm)
+            for key, grad in zip(logical, grad_slices)]
   if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
     square = collectives.all_reduce_sum(
         tf.add_n([tf.reduce_sum(tf.square(g)) for g in grad_slices])[None],

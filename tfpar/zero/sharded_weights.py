@@ -39,7 +39,7 @@ class GatheredWeight:
     if not _in_replica():
       return self._tfpar_whole_tensor()
     count = tf.distribute.get_replica_context().num_replicas_in_sync
-    size = slices.components(self)[0].shape[0]
+    length = slices.components(self)[0].shape[0] * count
     shape, elements, path = self.shape, self.shape.num_elements(), self.path
     column = self._tfpar_zero_column
 
@@ -49,10 +49,9 @@ class GatheredWeight:
       whole = collectives.all_gather(piece, phase, path, column)
 
       def grad(upstream):
-        flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
-        flat = tf.pad(flat, [[0, size * count - elements]])
-        return collectives.reduce_scatter(flat, instrument.BACKWARD, path,
-                                          column)
+        return collectives.reduce_scatter(
+            slices.padded_flat(upstream, length), instrument.BACKWARD, path,
+            column)
       return tf.reshape(whole[:elements], shape), grad
     return gather(tf.convert_to_tensor(self._value))
 

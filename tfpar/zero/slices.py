@@ -15,6 +15,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import resource_variable_ops
 
+from tfpar.memory import components
+
 
 def slice_size(shape, replicas):
   """Elements of one replica's slice of a weight of `shape`."""
@@ -29,33 +31,35 @@ def local_replica_ids(strategy):
   return list(range(first, first + local))
 
 
+def padded_flat(value, length):
+  """`value` flattened and zero-padded to `length` elements."""
+  flat = tf.reshape(tf.convert_to_tensor(value), [-1])
+  return tf.pad(flat, [[0, length - flat.shape[0]]])
+
+
 def flat_slice(value, replica, size, replicas):
   """Slice `replica` of `value` flattened and zero-padded (a tensor)."""
-  flat = tf.reshape(tf.convert_to_tensor(value), [-1])
-  flat = tf.pad(flat, [[0, size * replicas - flat.shape[0]]])
+  flat = padded_flat(value, size * replicas)
   return tf.slice(flat, [replica * size], [size])
 
 
-def new_slice_variable(strategy, name, size, dtype, devices, values=None,
+def new_slice_variable(strategy, name, dtype, devices, values,
                        trainable=False):
   """A Keras variable holding one slice per local replica.
 
   Args:
     strategy: the strategy whose replicas own the slices.
     name: the variable name.
-    size: elements per slice.
     dtype: its dtype.
     devices: the device of each local replica's component.
-    values: one initial value per local replica, or None for zeros.
+    values: one initial slice (a vector) per local replica.
     trainable: whether gradient tapes watch the components (model
       parameters under stage 3).
 
   Returns:
-    A `keras.Variable` of shape `(size,)` whose value is a
+    A `keras.Variable` of the slices' shape whose value is a
     `SyncOnReadVariable`.
   """
-  if values is None:
-    values = [tf.zeros([size], dtype) for _ in devices]
   components = []
   with tf.init_scope():
     for index, (device, value) in enumerate(zip(devices, values)):
@@ -68,12 +72,6 @@ def new_slice_variable(strategy, name, size, dtype, devices, values=None,
     sliced = values_lib.SyncOnReadVariable(
         strategy, components, tf.VariableAggregation.NONE)
     return backend.Variable(sliced, trainable=trainable, name=name)
-
-
-def components(variable):
-  """The per-replica tf.Variables behind a Keras variable."""
-  value = variable.value
-  return getattr(value, "values", (value,))
 
 
 def local_component(variable):
