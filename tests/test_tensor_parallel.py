@@ -91,7 +91,7 @@ def test_backward_runs_on_the_shard_devices():
                                                       "tensor": 4}))
   with strategy.scope():
     model = tp_common.mlp()
-  strategy.extended.shard_pending_models()
+  strategy.extended.prepare_pending_models()
   x, y = tp_common.data("mlp", count=8)
 
   @tf.function

@@ -21,6 +21,7 @@ _EXPORTS = {
     "Mesh": "tfpar.mesh",
     "MeshAxis": "tfpar.mesh",
     "ModelCheckpoint": "tfpar.callbacks",
+    "PipelineParallelStrategy": "tfpar.pipeline",
     "configure_virtual_cpus": "tfpar.local_devices",
     "ColumnParallel": "tfpar.tensor_parallel",
     "CommunicationLog": "tfpar.tensor_parallel",
@@ -35,7 +36,7 @@ _EXPORTS = {
     "ZeRO": "tfpar.zero",
 }
 _SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh",
-               "tensor_parallel", "zero")
+               "pipeline", "tensor_parallel", "zero")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

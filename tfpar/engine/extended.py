@@ -16,11 +16,16 @@ per-replica values across workers.
 import contextlib
 import itertools
 import os
+import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.util import nest
+
+from tfpar import keras_hooks
 
 # Each strategy instance needs its own collective keys (two instances that
 # share a key base fail with "Shape mismatch in the collective instance").
@@ -33,6 +38,20 @@ _key_bases = itertools.count(1)
 def next_collective_key_base():
   """A fresh collective key base for a new strategy instance."""
   return next(_key_bases) * _KEY_BASE_STRIDE
+
+
+class DeviceSet:
+  """A `colocate_vars_with` stand-in naming the devices of a variable.
+
+  Variables created under `strategy.extended.colocate_vars_with(
+  DeviceSet(devices))` get one component per device (one per replica).
+
+  Args:
+    devices: device names, one per local replica.
+  """
+
+  def __init__(self, devices):
+    self._devices = tuple(devices)
 
 
 class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
@@ -51,6 +70,11 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
   def __init__(self, container_strategy, mesh, communication_options=None):
     _check_replicas_inside_workers(mesh)
     self._mesh = mesh
+    self._column_ops = {}
+    self._models = []  # weakrefs of models created in scope.
+    self._preparing = threading.local()
+    self._column = threading.local()
+    keras_hooks.install_model_registration()
     self._local_groups = tuple(
         group for group in mesh.replicas if mesh.is_local(group[0]))
     options = (communication_options or
@@ -83,9 +107,136 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
     """The device group of every replica of this worker, in replica order."""
     return self._local_groups
 
+  def current_group(self):
+    """The devices of the replica running now (replica 0's outside)."""
+    strategy = self._container_strategy()
+    context = tf.distribute.get_replica_context()
+    if (context is not None and tf.distribute.has_strategy() and
+        tf.distribute.get_strategy() is strategy):
+      replica = tf.get_static_value(context.replica_id_in_sync_group)
+      if replica is not None:
+        return self._mesh.replicas[int(replica)]
+    return self._local_groups[0]
+
+  @contextlib.contextmanager
+  def variables_on_column(self, index):
+    """Variables created inside go on the `index`-th device of every
+    replica (a tensor shard, a pipeline stage) instead of its head."""
+    previous = getattr(self._column, "index", None)
+    self._column.index = index
+    try:
+      yield
+    finally:
+      self._column.index = previous
+
+  def _create_variable(self, next_creator, **kwargs):
+    index = getattr(self._column, "index", None)
+    if index is not None and kwargs.get("colocate_with") is None:
+      kwargs["colocate_with"] = DeviceSet(
+          group[index] for group in self._local_groups)
+    return super()._create_variable(next_creator, **kwargs)
+
   @property
   def worker_devices_by_replica(self):
     return [list(group) for group in self._local_groups]
+
+  # Values on the k-th device of every replica (a tensor shard's or a
+  # pipeline stage's gradients) are reduced there, by a collective of their
+  # own per column, instead of TF's fallback that moves every value to the
+  # replica heads one at a time ("Efficient batch_reduce is not supported if
+  # destinations are different").
+
+  def _column_of(self, value):
+    """The index within its replica group of the device holding a
+    per-replica value (its column), or None."""
+    if isinstance(value, values_lib.DistributedValues):
+      device = value.values[0].device
+    elif tf.is_tensor(value):
+      device = value.device  # One replica per worker.
+    else:
+      return None
+    if not device:
+      return None
+    spec = tf.DeviceSpec.from_string(device)
+    for group in self._local_groups:
+      for column, device in enumerate(group):
+        if tf.DeviceSpec.from_string(device) == spec:
+          return column
+    return None
+
+  def _column_cross_device_ops(self, column):
+    if column not in self._column_ops:
+      self._column_ops[column] = cross_device_ops_lib.CollectiveAllReduce(
+          devices=[group[column] for group in self._local_groups],
+          group_size=self._mesh.num_replicas,
+          options=self._communication_options,
+          collective_keys=self._collective_keys)
+    return self._column_ops[column]
+
+  def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    columns = [self._column_of(v) for v, _ in value_destination_pairs]
+    if self._mesh.replica_size == 1 or all(c in (0, None) for c in columns):
+      return super()._batch_reduce_to(reduce_op, value_destination_pairs,
+                                      options)
+    results = [None] * len(value_destination_pairs)
+    for column in dict.fromkeys(columns):
+      indices = [i for i, c in enumerate(columns) if c == column]
+      pairs = [value_destination_pairs[i] for i in indices]
+      if column in (0, None):
+        reduced = super()._batch_reduce_to(reduce_op, pairs, options)
+      else:
+        reduced = self._column_cross_device_ops(column).batch_reduce(
+            reduce_op, pairs,
+            options=self._communication_options.merge(options))
+      for index, value in zip(indices, reduced):
+        results[index] = value
+    return results
+
+  # Models created in the strategy's scope (tfpar's Keras hook registers
+  # them) are prepared once built, before they first run: sharded, cut into
+  # pipeline stages. Keras enters the scope again before its symbolic build
+  # (which builds the optimizer), distributes data, then runs steps: each
+  # of these prepares pending models.
+
+  def register_model(self, model):
+    """Called by tfpar's Keras hook for every model created in scope."""
+    self._models.append(weakref.ref(model))
+
+  def registered_models(self):
+    """The live models created in this strategy's scope."""
+    models = [ref() for ref in self._models]
+    self._models = [weakref.ref(m) for m in models if m is not None]
+    return [m for m in models if m is not None]
+
+  def prepare_pending_models(self):
+    """Prepares every registered model (see `prepare_model`)."""
+    if getattr(self._preparing, "active", False):
+      return
+    self._preparing.active = True
+    try:
+      with tf.init_scope():
+        for model in self.registered_models():
+          self.prepare_model(model)
+    finally:
+      self._preparing.active = False
+
+  def prepare_model(self, model):
+    """Subclasses adapt a registered model here (it may be unbuilt or
+    prepared already)."""
+    del model
+
+  def check_models_prepared(self):
+    """Subclasses raise here if a model ran before it was prepared."""
+
+  def _experimental_distribute_dataset(self, dataset, options):
+    self.prepare_pending_models()
+    return super()._experimental_distribute_dataset(dataset, options)
+
+  def _call_for_each_replica(self, fn, args, kwargs):
+    self.prepare_pending_models()
+    result = super()._call_for_each_replica(fn, args, kwargs)
+    self.check_models_prepared()
+    return result
 
   def effective_reduce_axis(self, value, axis):
     """`axis`, or None when every per-replica component is a scalar."""

@@ -1,5 +1,7 @@
 """`MeshStrategy`: the thin public face of `MeshExtended`."""
 
+import contextlib
+
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 
@@ -52,6 +54,25 @@ class MeshStrategy(tf.distribute.MultiWorkerMirroredStrategy):
   def _check_mesh(self, mesh):
     """Subclasses reject meshes they cannot run on."""
     del mesh
+
+  @contextlib.contextmanager
+  def scope(self):
+    """The strategy's scope; models built inside are prepared (sharded,
+    cut into stages) when it closes.
+
+    Keras also enters it before its symbolic build (which builds the
+    optimizer), and models are prepared then too, so the optimizer always
+    sees the prepared variables. Nested entries do nothing extra: the user
+    may be between building a model and setting its weights.
+    """
+    outermost = not (tf.distribute.has_strategy() and
+                     tf.distribute.get_strategy() is self)
+    if outermost:
+      self.extended.prepare_pending_models()
+    with super().scope():
+      yield
+    if outermost:
+      self.extended.prepare_pending_models()
 
   def reduce(self, reduce_op, value, axis):
     # Keras 3 asks multi-worker strategies for reduce("MEAN", v, axis=0) on

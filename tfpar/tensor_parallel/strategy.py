@@ -1,10 +1,6 @@
 """`TensorParallelStrategy`: the thin public face of
 `TensorParallelExtended`."""
 
-import contextlib
-
-import tensorflow as tf
-
 from tfpar.engine import strategy as engine_strategy
 from tfpar.tensor_parallel import extended as extended_lib
 from tfpar.tensor_parallel import plan as plan_lib
@@ -71,24 +67,6 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
           f"TensorParallelStrategy runs on data x tensor meshes; this mesh "
           f"has pipeline={mesh.shape['pipeline']}. Use "
           f"tfpar.PipelineParallelStrategy for pipeline stages.")
-
-  @contextlib.contextmanager
-  def scope(self):
-    """The strategy's scope; models built inside are sharded when it closes.
-
-    Keras also enters it before its symbolic build (which builds the
-    optimizer), and models are sharded then too, so the optimizer always
-    sees the shards. Nested entries do nothing extra: the user may be
-    between building a model and setting its weights.
-    """
-    outermost = not (tf.distribute.has_strategy() and
-                     tf.distribute.get_strategy() is self)
-    if outermost:
-      self.extended.shard_pending_models()
-    with super().scope():
-      yield
-    if outermost:
-      self.extended.shard_pending_models()
 
   @property
   def plan(self):

@@ -1,0 +1,178 @@
+"""Running one replica's pipeline for one step, in a schedule's order.
+
+Each stage's work runs on its device (`tf.device`) under a name scope
+`tfpar_pipeline/stage{s}/microbatch{k}/{forward|backward}` that traces and
+profiles identify it by. TF's executor imposes no order on independent ops
+(on virtual CPUs it runs backwards before forwards and several micro-batches
+of one stage at once), so every work item takes a control dependency on the
+outputs of the work its stage ran before: the order is the schedule's.
+
+A forward records a `tf.GradientTape` of its stage (or, with activation
+recomputation, keeps only its input and records the tape again in the
+backward); the backward takes the gradient of the stage output with the
+next stage's input gradient as `output_gradients`, and of the stage's own
+loss terms, and adds the variable gradients to the stage's running sums.
+"""
+
+import tensorflow as tf
+
+from tfpar.pipeline import comm
+from tfpar.pipeline import schedules
+
+SCOPE = "tfpar_pipeline"
+
+
+def work_scope(work):
+  """The name scope of one work item (parsed back by `tfpar.pipeline.trace`)."""
+  return f"{SCOPE}/stage{work.stage}/microbatch{work.microbatch}/{work.phase}"
+
+
+def _flat(structure):
+  return [t for t in tf.nest.flatten(structure) if t is not None]
+
+
+def _float_tensors(structure):
+  return [t for t in _flat(structure) if t.dtype.is_floating]
+
+
+class StageRunner:
+  """Runs the stages of one replica in a schedule's order.
+
+  Args:
+    stage_models: the Keras sub-model of each stage.
+    devices: the device of each stage in this replica.
+    schedule: `"gpipe"` or `"1f1b"`.
+    recompute: keep only stage inputs in the forward and recompute the
+      stage in its backward.
+
+  Example:
+
+  >>> runner = StageRunner(models, ["/CPU:0", "/CPU:1"], "1f1b")  # doctest: +SKIP
+  >>> outputs, loss, grads = runner.train(microbatches, loss_fn, extra_fn)  # doctest: +SKIP
+  """
+
+  def __init__(self, stage_models, devices, schedule, recompute=False):
+    self._models = list(stage_models)
+    self._devices = list(devices)
+    self._schedule = schedule
+    self._recompute = recompute
+
+  @property
+  def num_stages(self):
+    return len(self._models)
+
+  def predict(self, microbatches, training=False, extra_loss_fn=None):
+    """Forward passes only.
+
+    Args:
+      microbatches: the input of stage 0 per micro-batch.
+      training: passed to the stage models.
+      extra_loss_fn: optional, as in `train`.
+
+    Returns:
+      (the last stage's output per micro-batch, the sum of the extra
+      losses, 0 without `extra_loss_fn`).
+    """
+    orders = schedules.stage_orders(self._schedule, self.num_stages,
+                                    len(microbatches), backward=False)
+    activations = {}
+    extras = [tf.zeros(())]
+    chain = [[] for _ in self._models]
+    for work in schedules.build_order(orders):
+      s, k = work.stage, work.microbatch
+      source = microbatches[k] if s == 0 else activations.pop((s - 1, k))
+      with tf.device(self._devices[s]), tf.name_scope(work_scope(work)), \
+          tf.control_dependencies(chain[s]):
+        inputs = comm.send(source, self._devices[s])
+        outputs = self._models[s](inputs, training=training)
+        if extra_loss_fn is not None:
+          extras.append(extra_loss_fn(k, self._models[s]))
+      activations[(s, k)] = outputs
+      chain[s] = _flat(outputs)
+    return ([activations[(self.num_stages - 1, k)]
+             for k in range(len(microbatches))],
+            tf.add_n([tf.identity(e) for e in extras]))
+
+  def train(self, microbatches, loss_fn, extra_loss_fn):
+    """Forward and backward of every micro-batch, in schedule order.
+
+    Args:
+      microbatches: the input of stage 0 per micro-batch.
+      loss_fn: `loss_fn(k, outputs)`, the weighted loss of micro-batch k
+        from the last stage's outputs (a scalar on the last device).
+      extra_loss_fn: `extra_loss_fn(k, stage_model)`, the weighted
+        additional losses (`stage_model.losses`) of a stage's forward.
+
+    Returns:
+      (outputs per micro-batch, total loss, {id(variable): gradient}) where
+      the loss sums every micro-batch's and stage's terms and the gradients
+      sum every micro-batch's.
+    """
+    m, p = len(microbatches), self.num_stages
+    orders = schedules.stage_orders(self._schedule, p, m)
+    variables = [list(model.trainable_variables) for model in self._models]
+    saved = {}  # (s, k) -> (inputs, outputs, objective, tape)
+    activations, input_grads, outputs_by_k = {}, {}, {}
+    grad_sums = [None] * p
+    losses = []
+    chain = [[] for _ in range(p)]
+    for work in schedules.build_order(orders):
+      s, k = work.stage, work.microbatch
+      with tf.device(self._devices[s]), tf.name_scope(work_scope(work)), \
+          tf.control_dependencies(chain[s]):
+        if work.phase == schedules.FORWARD:
+          source = microbatches[k] if s == 0 else activations.pop((s - 1, k))
+          inputs = comm.send(source, self._devices[s])
+          if self._recompute:
+            outputs, objective = self._forward(s, k, inputs, loss_fn,
+                                               extra_loss_fn)
+            tape = None
+          else:
+            with tf.GradientTape() as tape:
+              tape.watch(_float_tensors(inputs) if s else [])
+              outputs, objective = self._forward(s, k, inputs, loss_fn,
+                                                 extra_loss_fn)
+          saved[(s, k)] = (inputs, outputs, objective, tape)
+          losses.append(objective)
+          if s < p - 1:
+            activations[(s, k)] = outputs
+          else:
+            outputs_by_k[k] = outputs
+          chain[s] = _flat(outputs) + [objective]
+        else:
+          inputs, outputs, objective, tape = saved.pop((s, k))
+          if tape is None:
+            with tf.GradientTape() as tape:
+              tape.watch(_float_tensors(inputs) if s else [])
+              outputs, objective = self._forward(s, k, inputs, loss_fn,
+                                                 extra_loss_fn)
+          targets, upstream = [objective], [tf.ones_like(objective)]
+          if s < p - 1:
+            received = comm.send(input_grads.pop((s + 1, k)),
+                                 self._devices[s])
+            targets += _float_tensors(outputs)
+            upstream += received
+          sources = (_float_tensors(inputs) if s else []) + variables[s]
+          grads = tape.gradient(
+              targets, sources, output_gradients=upstream,
+              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+          num_inputs = len(sources) - len(variables[s])
+          if s:
+            input_grads[(s, k)] = grads[:num_inputs]
+          var_grads = [tf.convert_to_tensor(g) for g in grads[num_inputs:]]
+          grad_sums[s] = var_grads if grad_sums[s] is None else [
+              a + g for a, g in zip(grad_sums[s], var_grads)]
+          chain[s] = list(grads[:num_inputs]) + list(grad_sums[s])
+    gradients = {}
+    for s in range(p):
+      for variable, grad in zip(variables[s], grad_sums[s] or []):
+        gradients[id(variable)] = grad
+    total = tf.add_n([tf.identity(l) for l in losses])
+    return [outputs_by_k[k] for k in range(m)], total, gradients
+
+  def _forward(self, s, k, inputs, loss_fn, extra_loss_fn):
+    outputs = self._models[s](inputs, training=True)
+    objective = extra_loss_fn(k, self._models[s])
+    if s == self.num_stages - 1:
+      objective = objective + loss_fn(k, outputs)
+    return outputs, objective

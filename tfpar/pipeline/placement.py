@@ -1,0 +1,44 @@
+"""Putting each stage's variables on its device in every replica."""
+
+import tensorflow as tf
+
+
+
+def place_stage_variables(strategy, plan, groups):
+  """Re-creates every variable of stage `s` on device `s` of each replica.
+
+  Models are built before they are cut, so their variables start on the
+  replicas' head devices; each moves once, keeping its value, before the
+  optimizer creates slots (which then follow it, `colocate_vars_with`).
+
+  Args:
+    strategy: the pipeline strategy.
+    plan: the model's `StagePlan`.
+    groups: the device group of every local replica.
+  """
+  for stage in plan.stages:
+    devices = tuple(group[stage.index] for group in groups)
+    specs = tuple(tf.DeviceSpec.from_string(d) for d in devices)
+    for variable in stage.variables:
+      current = variable._value  # pylint: disable=protected-access
+      if _devices_of(current) == specs:
+        continue
+      value = tf.convert_to_tensor(current)
+      with strategy.scope(), strategy.extended.variables_on_column(
+          stage.index):
+        placed = tf.Variable(
+            initial_value=value, trainable=current.trainable,
+            name=current.name.split(":")[0],
+            synchronization=current.synchronization,
+            aggregation=current.aggregation)
+      variable._value = placed  # pylint: disable=protected-access
+
+
+def _devices_of(distributed_variable):
+  components = getattr(distributed_variable, "values", (distributed_variable,))
+  return tuple(tf.DeviceSpec.from_string(c.device) for c in components)
+
+
+def stage_devices(plan, group):
+  """The device of every stage in one replica's group."""
+  return tuple(group[stage.index] for stage in plan.stages)

@@ -1,0 +1,125 @@
+"""`PipelineParallelStrategy`: the thin public face of
+`PipelineParallelExtended`."""
+
+import numbers
+import warnings
+
+from tfpar.engine import strategy as engine_strategy
+from tfpar.pipeline import extended as extended_lib
+from tfpar.pipeline import schedules
+
+
+class PipelineParallelStrategy(engine_strategy.MeshStrategy):
+  """GPipe and 1F1B pipeline parallelism for stock Keras 3 models.
+
+  A `Sequential` model, or a Functional model that is a chain of blocks,
+  created in `strategy.scope()` is cut into `pipeline` stages when built;
+  stage s, its variables and optimizer state live on the s-th pipeline
+  device of every replica. Each replica batch is split into
+  `num_microbatches` micro-batches that flow through the stages in the
+  schedule's order. `num_replicas_in_sync` is the mesh's `data` size.
+  `fit`, `evaluate` and `predict` give the results of one device.
+
+  Args:
+    mesh: a `tfpar.Mesh` with a `pipeline` axis (and optionally `data`).
+    num_microbatches: micro-batches per replica batch (m). The bubble is
+      (p - 1) / (m + p - 1); use m >= 4p.
+    schedule: `"1f1b"` (one forward, one backward: at most p micro-batches
+      of activations alive per stage) or `"gpipe"` (all forwards, then all
+      backwards: m alive).
+    stages: `"auto"` to balance the stages' estimated costs, or the names
+      of the layers that start stages 1 .. p-1.
+    recompute: keep only each stage's input in the forward and recompute
+      the stage in its backward (less activation memory, one more forward).
+    communication_options: optional
+      `tf.distribute.experimental.CommunicationOptions`.
+
+  Raises:
+    ValueError: a mesh with a `tensor` axis, a bad schedule, stages or
+      num_microbatches.
+
+  Example:
+
+  >>> import keras, tfpar
+  >>> devices = tfpar.configure_virtual_cpus(4)  # CPU-only, before TF runs.
+  >>> strategy = tfpar.PipelineParallelStrategy(
+  ...     tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=4)
+  >>> with strategy.scope():
+  ...   model = keras.Sequential([keras.Input((8,))] + [
+  ...       keras.layers.Dense(8, name=f"d{i}") for i in range(4)])
+  ...   model.compile(optimizer="adam", loss="mse")
+  >>> print(strategy.describe_stages(model, print_fn=None).splitlines()[2])
+  0      2       d0 .. d1       50.0%  144     /job:localhost/replica:0/task:0/device:CPU:0
+  """
+
+  def __init__(self, mesh=None, num_microbatches=None, schedule="1f1b",
+               stages="auto", recompute=False, communication_options=None):
+    if (not isinstance(num_microbatches, numbers.Integral) or
+        isinstance(num_microbatches, bool) or num_microbatches < 1):
+      raise ValueError(
+          f"num_microbatches must be a positive integer. Received: "
+          f"num_microbatches={num_microbatches!r}")
+    if schedule not in schedules.SCHEDULES:
+      raise ValueError(f"schedule must be one of {schedules.SCHEDULES}. "
+                       f"Received: schedule={schedule!r}")
+    if stages != "auto" and (
+        isinstance(stages, str) or
+        not all(isinstance(name, str) for name in stages)):
+      raise ValueError(f"stages must be 'auto' or a list of layer names. "
+                       f"Received: stages={stages!r}")
+    if not isinstance(recompute, bool):
+      raise ValueError(f"recompute must be True or False. Received: "
+                       f"recompute={recompute!r}")
+    self._options = (int(num_microbatches), schedule,
+                     stages if stages == "auto" else tuple(stages), recompute)
+    super().__init__(mesh, communication_options)
+    stages_count = self.mesh.shape["pipeline"]
+    if num_microbatches < stages_count:
+      warnings.warn(
+          f"num_microbatches={num_microbatches} is fewer than the "
+          f"{stages_count} pipeline stages: the expected bubble is "
+          f"{schedules.bubble_fraction(stages_count, num_microbatches):.0%} "
+          f"of the step (p - 1) / (m + p - 1). Use at least "
+          f"{4 * stages_count} micro-batches (4 x stages).", stacklevel=2)
+
+  def _make_extended(self, mesh, communication_options):
+    return extended_lib.PipelineParallelExtended(
+        self, mesh, *self._options, communication_options)
+
+  def _check_mesh(self, mesh):
+    if mesh.shape["tensor"] != 1:
+      raise ValueError(
+          f"PipelineParallelStrategy runs on data x pipeline meshes; this "
+          f"mesh has tensor={mesh.shape['tensor']}.")
+
+  @property
+  def num_microbatches(self):
+    """Micro-batches per replica batch."""
+    return self.extended.num_microbatches
+
+  @property
+  def schedule(self):
+    """`"gpipe"` or `"1f1b"`."""
+    return self.extended.schedule
+
+  @property
+  def expected_bubble(self):
+    """The ideal bubble fraction (p - 1) / (m + p - 1) of this setting."""
+    return schedules.bubble_fraction(self.mesh.shape["pipeline"],
+                                     self.num_microbatches)
+
+  def describe_stages(self, model, print_fn=print):
+    """Prints (and returns) how `model` is cut: each stage's layers, share
+    of the estimated cost, parameter count and device (replica 0).
+
+    Args:
+      model: a built model created in this strategy's scope.
+      print_fn: where to print lines; None to only return the text.
+    """
+    plan = getattr(model, "_tfpar_stage_plan", None)
+    if plan is None:
+      plan = self.extended.stage_plan(model)
+    text = plan.describe(self.mesh.replica_devices(0))
+    if print_fn is not None:
+      print_fn(text)
+    return text
