@@ -22,6 +22,7 @@ _EXPORTS = {
     "MeshAxis": "tfpar.mesh",
     "ModelCheckpoint": "tfpar.callbacks",
     "PipelineParallelStrategy": "tfpar.pipeline",
+    "PipelineTrace": "tfpar.pipeline",
     "configure_virtual_cpus": "tfpar.local_devices",
     "ColumnParallel": "tfpar.tensor_parallel",
     "CommunicationLog": "tfpar.tensor_parallel",
