@@ -11,10 +11,16 @@
   (`tfpar.ZeRO`) cannot do it from the callback API. `fit` calls
   `callback.prepare_fit(model)` on every callback that has it, first.
 
-Both patches are installed once per process and are idempotent.
+* Batch size checks: `fit`, `evaluate` and `predict` call
+  `strategy.extended.check_batch_size(batch_size)` when the model's
+  strategy has it, before any work (a pipeline needs batches that split
+  into micro-batches). Arrays without `batch_size` get Keras's 32.
+
+The patches are installed once per process and are idempotent.
 """
 
 import functools
+import inspect
 
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
@@ -56,3 +62,42 @@ def install_fit_preparation():
 
   tf_trainer.TensorFlowTrainer.fit = fit
   _installed.add("fit")
+
+
+_KERAS_DEFAULT_BATCH_SIZE = 32
+
+
+def install_batch_size_checks():
+  """Patches `fit`, `evaluate`, `predict` to let the strategy check the
+  batch size first."""
+  if "batch_size" in _installed:
+    return
+  for name in ("fit", "evaluate", "predict"):
+    _wrap_with_batch_size_check(name)
+  _installed.add("batch_size")
+
+
+def _wrap_with_batch_size_check(name):
+  original = getattr(tf_trainer.TensorFlowTrainer, name)
+  signature = inspect.signature(original)
+
+  @functools.wraps(original)
+  def method(self, *args, **kwargs):
+    check = getattr(getattr(self.distribute_strategy, "extended", None),
+                    "check_batch_size", None)
+    if check is not None:
+      bound = signature.bind_partial(self, *args, **kwargs).arguments
+      batch_size = bound.get("batch_size")
+      if batch_size is None and _is_array_like(bound.get("x")):
+        batch_size = _KERAS_DEFAULT_BATCH_SIZE
+      check(batch_size)
+    return original(self, *args, **kwargs)
+
+  setattr(tf_trainer.TensorFlowTrainer, name, method)
+
+
+def _is_array_like(x):
+  return hasattr(x, "shape") or (
+      isinstance(x, (list, tuple, dict)) and x and all(
+          hasattr(v, "shape") for v in (x.values() if isinstance(x, dict)
+                                        else x)))

@@ -11,6 +11,7 @@ among the s-th devices of the replicas.
 
 from tensorflow.python.data.ops import dataset_ops
 
+from tfpar import keras_hooks
 from tfpar.engine import extended as engine_extended
 from tfpar.pipeline import executor
 from tfpar.pipeline import placement
@@ -40,6 +41,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     self.stages = stages
     self.recompute = recompute
     self._cutting = False
+    keras_hooks.install_batch_size_checks()
 
   @property
   def num_stages(self):
@@ -56,6 +58,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
       return stages_lib.plan_stages(model, self.num_stages, self.stages)
     finally:
       self._cutting = False
+    keras_hooks.install_batch_size_checks()
 
   def prepare_model(self, model):
     if not model.built or getattr(model, "_tfpar_stage_plan", None):
