@@ -4,7 +4,9 @@
 import numbers
 import warnings
 
+from tfpar import mesh as mesh_lib
 from tfpar.engine import strategy as engine_strategy
+from tfpar.pipeline import cross_worker
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import schedules
 
@@ -19,6 +21,12 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
   `num_microbatches` micro-batches that flow through the stages in the
   schedule's order. `num_replicas_in_sync` is the mesh's `data` size.
   `fit`, `evaluate` and `predict` give the results of one device.
+
+  Stages may sit on different `TF_CONFIG` workers (a mesh whose pipeline
+  crosses workers, data 1): the chief drives the pipeline and places
+  stages on the other workers' devices. On the other workers this
+  constructor serves their devices and ends the process once the chief
+  is done, so code after it runs on the chief only.
 
   Args:
     mesh: a `tfpar.Mesh` with a `pipeline` axis (and optionally `data`).
@@ -72,6 +80,10 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
                        f"recompute={recompute!r}")
     self._options = (int(num_microbatches), schedule,
                      stages if stages == "auto" else tuple(stages), recompute)
+    if mesh is None:
+      mesh = mesh_lib.Mesh.from_cluster_resolver()
+    if isinstance(mesh, mesh_lib.Mesh) and cross_worker.crosses_workers(mesh):
+      mesh = cross_worker.driver_mesh(mesh)  # Other workers serve, then exit.
     super().__init__(mesh, communication_options)
     stages_count = self.mesh.shape["pipeline"]
     if num_microbatches < stages_count:
