@@ -14,7 +14,8 @@ the op timelines of the TF profiler (`ScheduleTrace.bubble_fraction`);
 the table gives its median beside (p - 1) / (m + p - 1).
 
 Part 1b, the same with real compute only (Dense layers of `--width`, no
-timed layer) for p = 2, where each stage can have a core of its own.
+timed layer) for p = 2 (data 2): the 4 stage devices share the 2 cores,
+and per-op overheads count as idle time, so expect more than the formula.
 
 Part 2, activation memory. p = 4 (data 1), micro-batches of a fixed
 `--memory-rows` rows, m in {4, 8, 16}: the batch grows with m. After 2
