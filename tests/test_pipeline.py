@@ -160,6 +160,17 @@ def test_batch_not_divisible_into_microbatches_is_an_error():
     pp_common.train(strategy, batch=12, epochs=1)
 
 
+def test_sum_reduced_loss_is_an_error():
+  strategy = _strategy(2, 2, 4)
+  with strategy.scope():
+    model = pp_common.residual_chain()
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.MeanSquaredError(reduction="sum"))
+  x, y, _ = pp_common.data()
+  with pytest.raises(ValueError, match="reduction='sum'; pipeline"):
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
 def test_fewer_layers_than_stages_is_an_error():
   strategy = _strategy(4, 1, 4)
   with pytest.raises(ValueError, match="has 2 layers, fewer than the 4"):

@@ -1,4 +1,4 @@
-"""The two hooks tfpar adds to Keras's TensorFlow trainer.
+"""The hooks tfpar adds to Keras's TensorFlow trainer.
 
 * Model registration: Keras records the strategy current when a model is
   created (`Model must be created under scope of DistStrat it will be

@@ -41,10 +41,10 @@ def next_collective_key_base():
 
 
 class DeviceSet:
-  """A `colocate_vars_with` stand-in naming the devices of a variable.
+  """The `colocate_with` of a variable creation that names its devices.
 
-  Variables created under `strategy.extended.colocate_vars_with(
-  DeviceSet(devices))` get one component per device (one per replica).
+  `MeshExtended._create_variable` passes one for `variables_on_column`;
+  the variable gets one component per device (one per replica).
 
   Args:
     devices: device names, one per local replica.

@@ -96,6 +96,7 @@ class PipelinedSteps:
     self._m = num_microbatches
 
   def _split(self, data):
+    check_losses(self._model)
     x, y, sample_weight = _unpack(data)
     n = tf.shape(_first_tensor(x))[0]
     sizes = microbatch_sizes(n, self._m)
