@@ -39,7 +39,7 @@ NUM_DEVICES = 4
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser, runs=7, steps=100)
-  parser.add_argument("--global-batch", type=int, default=256)
+  common.add_global_batch_flag(parser, 256)
   parser.add_argument("--features", type=int, default=256)
   parser.add_argument("--hidden", type=int, default=512)
   parser.add_argument("--classes", type=int, default=10)

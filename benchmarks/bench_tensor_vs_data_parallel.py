@@ -61,17 +61,13 @@ DP_NAME = "tfpar.DataParallelStrategy"
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser, runs=15, steps=60)
-  parser.add_argument("--global-batch", type=int, default=32,
-                      help="sequences per step (default 32)")
+  common.add_global_batch_flag(parser, 32, unit="sequences")
   parser.add_argument("--sequence", type=int, default=64)
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--blocks", type=int, default=2)
   parser.add_argument("--vocab", type=int, default=96)
-  args = common.parse_checked(parser, argv)
-  if args.global_batch % NUM_DEVICES:
-    parser.error(f"--global-batch must be a multiple of {NUM_DEVICES}")
-  return args
+  return common.parse_checked(parser, argv, batch_multiple=NUM_DEVICES)
 
 
 def gpt(args):

@@ -54,15 +54,11 @@ STAGES = {PLAIN: None, "stage 1": 1, "stage 2": 2, "stage 3": 3}
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser, runs=9, steps=50)
-  parser.add_argument("--global-batch", type=int, default=256,
-                      help="samples per step (default 256)")
+  common.add_global_batch_flag(parser, 256)
   parser.add_argument("--features", type=int, default=512)
   parser.add_argument("--hidden", type=int, default=1536)
   parser.add_argument("--classes", type=int, default=10)
-  args = common.parse_checked(parser, argv)
-  if args.global_batch % NUM_DEVICES:
-    parser.error(f"--global-batch must be a multiple of {NUM_DEVICES}")
-  return args
+  return common.parse_checked(parser, argv, batch_multiple=NUM_DEVICES)
 
 
 def callbacks(stage):

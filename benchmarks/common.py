@@ -31,13 +31,22 @@ def add_common_flags(parser, runs, steps, skip_steps=5):
   parser.add_argument("--output", help="also write the results as JSON here")
 
 
-def parse_checked(parser, argv=None):
-  """`parser.parse_args(argv)`, refusing `--steps <= --skip-steps`."""
+def add_global_batch_flag(parser, default, unit="samples"):
+  """Adds `--global-batch`: the batch of one step over all replicas."""
+  parser.add_argument("--global-batch", type=int, default=default,
+                      help=f"{unit} per step (default {default})")
+
+
+def parse_checked(parser, argv=None, batch_multiple=None):
+  """`parser.parse_args(argv)`, refusing `--steps <= --skip-steps`, and a
+  `--global-batch` that is not a multiple of `batch_multiple`."""
   args = parser.parse_args(argv)
   if args.steps <= args.skip_steps:
     parser.error("--steps must be larger than --skip-steps")
   if args.runs < 1:
     parser.error("--runs must be at least 1")
+  if batch_multiple and args.global_batch % batch_multiple:
+    parser.error(f"--global-batch must be a multiple of {batch_multiple}")
   return args
 
 

@@ -225,8 +225,24 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
     prepared already)."""
     del model
 
+  # What `prepare_model` does, for the error of a model that ran unprepared.
+  preparation = "prepare it"
+
+  def is_prepared(self, model):
+    """Whether `prepare_model` has adapted a built model."""
+    del model
+    return True
+
   def check_models_prepared(self):
-    """Subclasses raise here if a model ran before it was prepared."""
+    """Raises if a model of this strategy got built while it ran, after it
+    could be prepared (it would silently run unprepared)."""
+    for model in self.registered_models():
+      if model.built and not self.is_prepared(model):
+        raise ValueError(
+            f"Model {model.name!r} was built while it ran, after tfpar could "
+            f"{self.preparation}. Build it inside strategy.scope() before "
+            f"compile/fit: give it a keras.Input, or call "
+            f"model.build(input_shape) or model(x).")
 
   def _experimental_distribute_dataset(self, dataset, options):
     self.prepare_pending_models()

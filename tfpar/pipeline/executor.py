@@ -128,10 +128,8 @@ class StageRunner:
                                                extra_loss_fn)
             tape = None
           else:
-            with tf.GradientTape() as tape:
-              tape.watch(_float_tensors(inputs) if s else [])
-              outputs, objective = self._forward(s, k, inputs, loss_fn,
-                                                 extra_loss_fn)
+            outputs, objective, tape = self._taped_forward(
+                s, k, inputs, loss_fn, extra_loss_fn)
           saved[(s, k)] = (inputs, outputs, objective, tape)
           losses.append(objective)
           if s < p - 1:
@@ -141,11 +139,9 @@ class StageRunner:
           chain[s] = _flat(outputs) + [objective]
         else:
           inputs, outputs, objective, tape = saved.pop((s, k))
-          if tape is None:
-            with tf.GradientTape() as tape:
-              tape.watch(_float_tensors(inputs) if s else [])
-              outputs, objective = self._forward(s, k, inputs, loss_fn,
-                                                 extra_loss_fn)
+          if tape is None:  # Recompute the stage, recording it this time.
+            outputs, objective, tape = self._taped_forward(
+                s, k, inputs, loss_fn, extra_loss_fn)
           targets, upstream = [objective], [tf.ones_like(objective)]
           if s < p - 1:
             received = comm.send(input_grads.pop((s + 1, k)),
@@ -169,6 +165,13 @@ class StageRunner:
         gradients[id(variable)] = grad
     total = tf.add_n([tf.identity(l) for l in losses])
     return [outputs_by_k[k] for k in range(m)], total, gradients
+
+  def _taped_forward(self, s, k, inputs, loss_fn, extra_loss_fn):
+    with tf.GradientTape() as tape:
+      tape.watch(_float_tensors(inputs) if s else [])
+      outputs, objective = self._forward(s, k, inputs, loss_fn,
+                                         extra_loss_fn)
+    return outputs, objective, tape
 
   def _forward(self, s, k, inputs, loss_fn, extra_loss_fn):
     outputs = self._models[s](inputs, training=True)

@@ -61,7 +61,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     keras_hooks.install_batch_size_checks()
 
   def prepare_model(self, model):
-    if not model.built or getattr(model, "_tfpar_stage_plan", None):
+    if not model.built or self.is_prepared(model):
       return
     steps_lib.check_model(model)
     optimizer = getattr(model, "optimizer", None)
@@ -87,14 +87,10 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
         placement.stage_devices(plan, self.current_group()), self.schedule,
         self.recompute)
 
-  def check_models_prepared(self):
-    for model in self.registered_models():
-      if model.built and getattr(model, "_tfpar_stage_plan", None) is None:
-        raise ValueError(
-            f"Model {model.name!r} was built while it ran, after tfpar could "
-            f"cut it into pipeline stages. Build it inside strategy.scope() "
-            f"before compile/fit: give it a keras.Input, or call "
-            f"model.build(input_shape).")
+  preparation = "cut it into pipeline stages"
+
+  def is_prepared(self, model):
+    return getattr(model, "_tfpar_stage_plan", None) is not None
 
   def check_batch_size(self, batch_size, what="batch_size"):
     """Raises unless `batch_size` splits into micro-batches per replica."""

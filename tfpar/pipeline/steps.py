@@ -95,11 +95,15 @@ class PipelinedSteps:
     self._runner = runner_for_replica
     self._m = num_microbatches
 
+  def _sizes(self, x):
+    """The batch's rows and the rows of each micro-batch."""
+    n = tf.shape(_first_tensor(x))[0]
+    return n, microbatch_sizes(n, self._m)
+
   def _split(self, data):
     check_losses(self._model)
     x, y, sample_weight = _unpack(data)
-    n = tf.shape(_first_tensor(x))[0]
-    sizes = microbatch_sizes(n, self._m)
+    n, sizes = self._sizes(x)
     weights = tf.cast(sizes, keras.backend.floatx()) / tf.cast(
         tf.maximum(n, 1), keras.backend.floatx())
     return (x, y, sample_weight, n, weights,
@@ -167,6 +171,5 @@ class PipelinedSteps:
   def predict_step(self, data):
     """One pipelined prediction step (replaces `model.predict_step`)."""
     x, _, _ = _unpack(data)
-    n = tf.shape(_first_tensor(x))[0]
-    xs = split(x, microbatch_sizes(n, self._m), self._m)
+    xs = split(x, self._sizes(x)[1], self._m)
     return concat(self._runner().predict(xs, training=False)[0])

@@ -56,24 +56,17 @@ class TensorParallelExtended(engine_extended.MeshExtended):
 
   # Model registry and sharding.
 
+  preparation = "shard it, so its weights would stay replicated"
+
+  def is_prepared(self, model):
+    return getattr(model, "_tfpar_layouts", None) is not None
+
   def prepare_model(self, model):
-    if getattr(model, "_tfpar_layouts", None) is None and model.built:
+    if not self.is_prepared(model) and model.built:
       self.shard_model(model)
-    elif getattr(model, "_tfpar_layouts", None) is not None and (
+    elif self.is_prepared(model) and (
         getattr(model, "optimizer", None) is not None):
       optimizer_lib.adopt(model.optimizer, model)
-
-  def check_models_prepared(self):
-    """Raises if a model of this strategy got built without being sharded
-    (its layers would silently run replicated)."""
-    for model in self.registered_models():
-      if (model.built and
-          getattr(model, "_tfpar_layouts", None) is None):
-        raise ValueError(
-            f"Model {model.name!r} was built while it ran, after tfpar could "
-            f"shard it, so its weights would stay replicated. Build it "
-            f"inside strategy.scope() before compile/fit: give it a "
-            f"keras.Input, or call model.build(input_shape) or model(x).")
 
   def shard_model(self, model):
     """Applies the plan to a built model: splits its variables and makes
