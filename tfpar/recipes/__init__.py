@@ -25,7 +25,7 @@ from tfpar.recipes.files import find
 from tfpar.recipes.files import load
 from tfpar.recipes.schema import Recipe
 
-_BUILD = ("from_recipe", "make_callbacks", "RecipeSetup")
+_BUILD = ("from_recipe", "make_callbacks", "make_plan", "RecipeSetup")
 
 __all__ = ["RECIPE_ENV", "Recipe", "available", "directories", "find",
            "load", *_BUILD]

@@ -9,7 +9,9 @@ from tfpar.pipeline import PipelineParallelStrategy
 from tfpar.recipes import files
 from tfpar.recipes import rules
 from tfpar.recipes import schema
+from tfpar.tensor_parallel import ShardingPlan
 from tfpar.tensor_parallel import TensorParallelStrategy
+from tfpar.tensor_parallel import styles
 from tfpar.zero import ZeRO
 
 _STRATEGIES = {
@@ -69,7 +71,8 @@ def from_recipe(path_or_name=None, mesh=None):
   Raises:
     ValueError: no recipe given and `TFPAR_RECIPE` unset, an unknown
       recipe, a recipe that breaks a rule (naming the key), or a `mesh` the
-      recipe cannot run on.
+      recipe cannot run on. A `[plan]` rule that matches no variable is
+      `tfpar.ShardingPlan`'s ValueError when the model is built.
 
   Example:
 
@@ -99,8 +102,34 @@ def from_recipe(path_or_name=None, mesh=None):
   else:
     raise ValueError(f"from_recipe: mesh must be a tfpar.Mesh or None. "
                      f"Received: mesh={mesh!r}")
-  strategy = _STRATEGIES[recipe.kind](mesh, **recipe.options)
+  options = dict(recipe.options)
+  if recipe.plan is not None:
+    options["plan"] = make_plan(recipe)
+  strategy = _STRATEGIES[recipe.kind](mesh, **options)
   return RecipeSetup(strategy, make_callbacks(recipe), recipe)
+
+
+def make_plan(recipe):
+  """The `tfpar.ShardingPlan` of a recipe's `[plan]` table.
+
+  Args:
+    recipe: a `tfpar.recipes.Recipe` with a `plan`.
+
+  Returns:
+    `tfpar.ShardingPlan([(regex, style), ...], builtin=...)`.
+
+  Example:
+
+  >>> from tfpar.recipes import schema
+  >>> recipe = schema.validate({
+  ...     "strategy": {"kind": "tensor_parallel"}, "mesh": {"tensor": 2},
+  ...     "plan": {"rules": [["head/kernel", "ColumnParallel"]]}})
+  >>> make_plan(recipe).rules
+  (('head/kernel', ColumnParallel()),)
+  """
+  plan_rules = [(pattern, getattr(styles, style)())
+            for pattern, style in recipe.plan["rules"]]
+  return ShardingPlan(plan_rules, builtin=recipe.plan["builtin"])
 
 
 def make_callbacks(recipe):

@@ -64,6 +64,12 @@ def check_combination(recipe, shape, where):
     raise bad("pipeline", "must be more than 1 (or -1) for strategy.kind "
               "'pipeline_parallel', which puts one stage on each pipeline "
               "device; use kind 'data_parallel' for pipeline = 1")
+  if recipe.plan is not None and shape["tensor"] == 1:
+    raise ValueError(
+        f"{where}: [plan] splits layers over the tensor axis, but "
+        f"mesh.tensor is 1; give the mesh a tensor axis or drop [plan]. "
+        f"Received: mesh.tensor=1 and a [plan] of "
+        f"{len(recipe.plan['rules'])} rule(s)")
 
 
 def error(where, key, value, rule):

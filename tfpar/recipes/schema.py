@@ -14,6 +14,9 @@ A recipe is a TOML table:
   [zero]               # optional: the tfpar.ZeRO callback
   stage = 2
 
+  [plan]               # optional: tensor-parallel rules (`plan_table`)
+  rules = [["head/kernel", "ColumnParallel"]]
+
 Every problem is a `ValueError` that names the key, its value and the rule.
 Pure Python: `tfpar launch` checks recipes without importing TensorFlow.
 """
@@ -21,6 +24,7 @@ Pure Python: `tfpar launch` checks recipes without importing TensorFlow.
 import dataclasses
 import difflib
 
+from tfpar.recipes import plan_table
 from tfpar.recipes import rules
 
 KINDS = ("data_parallel", "tensor_parallel", "pipeline_parallel")
@@ -47,6 +51,8 @@ class Recipe:
       `{"num_microbatches": 8, "schedule": "1f1b"}`.
     zero: keyword arguments of `tfpar.ZeRO` (`stage`, `offload`), or None.
     summary: the recipe's one-line description.
+    plan: the `[plan]` table as `{"rules": ((regex, style name), ...),
+      "builtin": bool}`, or None for the built-in plans.
 
   Example:
 
@@ -63,6 +69,7 @@ class Recipe:
   options: dict
   zero: dict = None
   summary: str = ""
+  plan: dict = None
 
   def describe(self):
     """One line: the strategy kind, its options, the mesh and ZeRO.
@@ -80,7 +87,8 @@ class Recipe:
       offload = self.zero["offload"]
       zero = f", ZeRO stage {self.zero['stage']}" + (
           f" offload={offload}" if offload else "")
-    return f"{self.name}: {self.kind}{options} on mesh {mesh}{zero}"
+    plan = f", {plan_table.describe(self.plan)}" if self.plan else ""
+    return f"{self.name}: {self.kind}{options} on mesh {mesh}{zero}{plan}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +141,13 @@ _SECTIONS = {
         "offload": _Key(f"must be one of {list(OFFLOADS)}",
                         _one_of(OFFLOADS)),
     },
+    "plan": {
+        "rules": _Key(plan_table.RULES_RULE, plan_table.is_rule_list,
+                      plan_table.KINDS),
+        "builtin": _Key("must be true or false", _bool, plan_table.KINDS),
+    },
 }
+_OPTIONAL = {"zero": KINDS, "plan": plan_table.KINDS}  # Section: its kinds.
 _TOP = ("summary",) + tuple(_SECTIONS)
 
 
@@ -142,8 +156,8 @@ def keys():
 
   Example:
 
-  >>> keys()[:5]
-  ['summary', 'strategy', 'mesh', 'zero', 'strategy.kind']
+  >>> keys()[:6]
+  ['summary', 'strategy', 'mesh', 'zero', 'plan', 'strategy.kind']
   """
   return list(_TOP) + [f"{section}.{key}" for section, table in
                        _SECTIONS.items() for key in table]
@@ -198,8 +212,12 @@ def validate(raw, name="recipe", path=""):
   kind = tables["strategy"].get("kind")
   _check_kind(where, tables["strategy"])
   for section, table in tables.items():
-    if section == "zero" and "zero" not in raw:
+    if section in _OPTIONAL and section not in raw:
       continue
+    if kind not in _OPTIONAL.get(section, KINDS):
+      raise rules.error(where, f"[{section}]", table,
+                        f"is only for kind {list(_OPTIONAL[section])}, and "
+                        f"this recipe's strategy.kind is {kind!r}")
     _check_table(where, section, table, kind)
   mesh = dict(tables["mesh"]) or {"data": -1}
   options = {k: v for k, v in tables["strategy"].items() if k != "kind"}
@@ -208,7 +226,8 @@ def validate(raw, name="recipe", path=""):
     offload = tables["zero"].get("offload", "none")
     zero = {"stage": tables["zero"]["stage"],
             "offload": None if offload == "none" else offload}
-  recipe = Recipe(name, path, kind, mesh, options, zero, summary)
+  plan = plan_table.read(where, tables["plan"]) if "plan" in raw else None
+  recipe = Recipe(name, path, kind, mesh, options, zero, summary, plan)
   rules.check_combination(recipe, mesh_shape(mesh), where)
   return recipe
 
