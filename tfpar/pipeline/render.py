@@ -9,27 +9,12 @@ NumPy and encoded with `tf.io.encode_png`, so no plotting package is needed.
 
 import numpy as np
 
+from tfpar import bitmap_font
 from tfpar.pipeline import trace as trace_lib
 
-# 3x5 bitmaps of the digits 0-9, one row per string.
-_DIGITS = ["111101101101111", "010110010010111", "111001111100111",
-           "111001111001111", "101101111001001", "111100111001111",
-           "111100111101111", "111001001001001", "111101111101111",
-           "111101111001111"]
 _FORWARD = np.array([66, 133, 244], np.uint8)
 _BACKWARD = np.array([52, 168, 83], np.uint8)
 _GRID = np.array([200, 200, 200], np.uint8)
-
-
-def _draw_number(image, number, top, left, scale, color):
-  for position, char in enumerate(str(number)):
-    bitmap = np.array([int(b) for b in _DIGITS[int(char)]],
-                      bool).reshape(5, 3)
-    glyph = np.kron(bitmap, np.ones((scale, scale), bool))
-    x = left + position * 4 * scale
-    region = image[top:top + glyph.shape[0], x:x + glyph.shape[1]]
-    if region.shape[:2] == glyph.shape:
-      region[glyph] = color
 
 
 def swimlane_image(trace, replica=0, width=1200, lane_height=36):
@@ -47,7 +32,7 @@ def swimlane_image(trace, replica=0, width=1200, lane_height=36):
   margin = 8
   height = trace.num_stages * lane_height + 2 * margin
   image = np.full((height, width + 2 * margin, 3), 255, np.uint8)
-  scale = max(1, (lane_height - 12) // 10)
+  scale = max(1, (lane_height - 8) // (2 * bitmap_font.HEIGHT))
   for stage in range(trace.num_stages + 1):
     image[margin + stage * lane_height, margin:margin + width] = _GRID
   for event in events:
@@ -62,12 +47,13 @@ def swimlane_image(trace, replica=0, width=1200, lane_height=36):
       boxes.append((right - left, left, right))
     image[top:bottom, boxes[-1][2] - 1] = 255  # Separates adjacent items.
     _, left, right = max(boxes)  # The label goes in the widest box.
-    label_width = len(str(event.microbatch)) * 4 * scale
+    label = str(event.microbatch)
+    label_width = bitmap_font.text_width(label, scale)
     if right - left > label_width + 2:
-      _draw_number(image, event.microbatch,
-                   top + (lane_height - 4 - 5 * scale) // 2,
-                   left + (right - left - label_width) // 2, scale,
-                   np.array([255, 255, 255], np.uint8))
+      bitmap_font.draw_text(
+          image, label, top + (lane_height - 4 - bitmap_font.HEIGHT * scale)
+          // 2, left + (right - left - label_width) // 2, (255, 255, 255),
+          scale)
   return image
 
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from tfpar.planner import font
+from tfpar import bitmap_font as font
 from tfpar.planner import units
 
 PARTS = (("parameters", (66, 133, 244)), ("gradients", (251, 188, 4)),

@@ -1,4 +1,5 @@
-"""A 5x7 bitmap font for the planner's picture (no font files, no PIL).
+"""A 5x7 bitmap font for tfpar's pictures: the planner's chart and the
+pipeline swimlane (no font files, no PIL).
 
 Upper-case letters, digits and the punctuation the chart uses; lower case
 prints as upper case, unknown characters as a blank.
@@ -75,7 +76,7 @@ def text_width(text, scale=1):
 
   Example:
 
-  >>> from tfpar.planner.font import text_width
+  >>> from tfpar.bitmap_font import text_width
   >>> text_width("DP64"), text_width("DP64", scale=2)
   (23, 46)
   """
@@ -96,7 +97,7 @@ def draw_text(image, text, top, left, color, scale=1):
   Example:
 
   >>> import numpy as np
-  >>> from tfpar.planner.font import draw_text
+  >>> from tfpar.bitmap_font import draw_text
   >>> image = np.full((9, 30, 3), 255, np.uint8)
   >>> draw_text(image, "ZERO-1", 1, 1, (0, 0, 0))
   >>> int((image[..., 0] == 0).sum()) > 0
