@@ -6,6 +6,7 @@ import pytest
 
 import tfpar
 import tfpar.recipes as recipes
+from tfpar import memory
 from recipe_common import example
 from recipe_common import fit_losses
 
@@ -47,30 +48,64 @@ def _write(tmp_path, text, name="mine"):
   return str(path)
 
 
-def _split_styles(strategy):
-  """{variable path: (style, axis)} of the split variables, as built."""
+def _build(strategy):
   with strategy.scope():
-    model = example.compile_model(example.token_model())
+    return example.compile_model(example.token_model())
+
+
+def _split_styles(model):
+  """{variable path: (style, axis)} of the split variables, as built."""
   return {v.path: (v.style.name, v.axis)
           for layout in model._tfpar_layouts  # pylint: disable=W0212
           for v in layout.variables if v.axis is not None}
 
 
-@pytest.mark.parametrize("strategy_table", [_TENSOR, _THREE_D],
-                         ids=["tensor", "3d"])
+def _short(device):
+  return device.split("device:")[-1]
+
+
+def _placed_devices(model):
+  """{logical path: the describe table's device cell}, from where the
+  variables (and their shards `<path>_shard<k>`) really are."""
+  by_path = {v.path: [_short(c.device) for c in memory.components(v)]
+             for v in model.weights}
+  cells = {}
+  for path, devices in by_path.items():
+    logical, _, shard = path.rpartition("_shard")
+    if shard.isdigit():
+      cells.setdefault(logical, []).append(f"{shard}: " + ",".join(devices))
+    else:
+      cells[path] = [",".join(devices)]
+  return {path: " | ".join(parts) for path, parts in cells.items()}
+
+
+def _described_devices(text):
+  """{variable path: device cell} of `strategy.describe`'s table."""
+  rows = text.splitlines()[2:-1]
+  return {row.split()[0]: row.split("  ")[-1].strip() for row in rows}
+
+
+@pytest.mark.parametrize("strategy_table, head_devices", [
+    (_TENSOR, "0: CPU:0,CPU:2 | 1: CPU:1,CPU:3"),  # Replicas 0 and 1.
+    (_THREE_D, "0: CPU:2 | 1: CPU:3"),  # The last stage's tensor group.
+], ids=["tensor", "3d"])
 def test_plan_rules_shape_the_split_and_train_like_one_device(
-    tmp_path, strategy_table, one_device_losses):
+    tmp_path, strategy_table, head_devices, one_device_losses):
   setup = recipes.from_recipe(_write(tmp_path, strategy_table + _RULES))
   assert setup.recipe.plan == {"rules": (
       ("block0_mlp_(in|out)/.*", "Replicate"),
       ("head/(kernel|bias)", "ColumnParallel")), "builtin": True}
   assert setup.recipe.describe().endswith(", plan 2 rule(s)")
-  assert _split_styles(setup.strategy) == {
+  model = _build(setup.strategy)
+  assert _split_styles(model) == {
       "block1_mlp_in/kernel": ("ColumnParallel", 1),
       "block1_mlp_in/bias": ("ColumnParallel", 0),
       "block1_mlp_out/kernel": ("RowParallel", 0),
       "head/kernel": ("ColumnParallel", 1),
       "head/bias": ("ColumnParallel", 0)}
+  described = _described_devices(setup.strategy.describe(model, None))
+  assert described == _placed_devices(model)
+  assert described["head/kernel"] == head_devices
   losses = fit_losses(setup.strategy, setup.callbacks)
   np.testing.assert_allclose(losses, one_device_losses, atol=1e-5, rtol=0)
 
@@ -86,7 +121,7 @@ rules = [["block1_mlp_in/kernel", "ColumnParallel"],
   assert strategy.plan.rules == (
       ("block1_mlp_in/kernel", tfpar.ColumnParallel()),
       ("block1_mlp_out/kernel", tfpar.RowParallel()))
-  assert _split_styles(strategy) == {  # Block 0's pair stays whole.
+  assert _split_styles(_build(strategy)) == {  # Block 0's pair stays whole.
       "block1_mlp_in/kernel": ("ColumnParallel", 1),
       "block1_mlp_in/bias": ("ColumnParallel", 0),  # Goes with its kernel.
       "block1_mlp_out/kernel": ("RowParallel", 0)}
@@ -121,7 +156,7 @@ def test_a_rule_that_matches_nothing_fails_when_the_model_is_built(tmp_path):
   with pytest.raises(ValueError, match=r"ShardingPlan rule 0 "
                      r"'blok1_mlp_in/kernel' -> Replicate matches no variable "
                      r"of model 'token_mlp'"):
-    _split_styles(strategy)
+    _build(strategy)
 
 
 def test_a_pipeline_mesh_given_without_tensor_refuses_the_plan(tmp_path):

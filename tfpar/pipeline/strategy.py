@@ -140,6 +140,27 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     return schedules.bubble_fraction(self.mesh.shape["pipeline"],
                                      self.num_microbatches)
 
+  def describe(self, model, print_fn=print):
+    """Prints (and returns) how every variable of `model` is laid out: its
+    style under the tensor-parallel plan and the devices of each shard,
+    inside its stage's tensor group (see `tfpar.ShardingPlan.describe`).
+
+    Args:
+      model: a built model created in this strategy's scope.
+      print_fn: where to print lines; None to only return the text.
+
+    Example:
+
+    >>> import keras, tfpar
+    >>> strategy = tfpar.PipelineParallelStrategy(
+    ...     tfpar.Mesh({"pipeline": 2, "tensor": 2}), num_microbatches=4)
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...   model = build_model()
+    >>> strategy.describe(model)  # doctest: +SKIP
+    """
+    plan = plan_lib.as_plan(self._plan)
+    return plan.describe(model, self, print_fn=print_fn)
+
   def describe_stages(self, model, print_fn=print):
     """Prints (and returns) how `model` is cut: each stage's layers, share
     of the estimated cost, parameter count and devices (replica 0; with a

@@ -17,7 +17,9 @@ def describe(plan, model, strategy):
   Args:
     plan: the `ShardingPlan`.
     model: a built Keras model (sharded or not).
-    strategy: the `TensorParallelStrategy`, or None for the model's own.
+    strategy: the `TensorParallelStrategy` (or a `PipelineParallelStrategy`
+      with a tensor axis, whose stage s uses the replica's devices
+      s*tensor .. s*tensor+tensor-1), or None for the model's own.
 
   Returns:
     The table as a string.
@@ -36,21 +38,23 @@ def describe(plan, model, strategy):
   by_path = {v.path: v for layout in layer_layouts for v in layout.variables}
   groups = mesh.replicas
   multi = mesh.is_multi_worker
+  stage_of = _stage_of_layer(model, strategy)
   rows = [("variable", "full shape", "style", "shard shape", "devices")]
   from tfpar.tensor_parallel import variables as variables_lib  # pylint: disable=g-import-not-at-top
   paths = list(variables_lib.logical_weights_paths(model))
   for path, shape in paths:
     layout = by_path.get(path)
+    first = stage_of.get(path.split("/")[0], 0) * tensor_size
     if layout is None or layout.axis is None:
       style = layout.style if layout is not None else styles.REPLICATE
       if not isinstance(style, styles.Replicate):
         style = f"{style} (replicated)"
-      devices = ",".join(_short(g[0], multi) for g in groups)
+      devices = ",".join(_short(g[first], multi) for g in groups)
       rows.append((path, str(tuple(shape)), str(style), str(tuple(shape)),
                    devices))
       continue
     devices = " | ".join(
-        f"{k}: " + ",".join(_short(g[k], multi) for g in groups)
+        f"{k}: " + ",".join(_short(g[first + k], multi) for g in groups)
         for k in range(tensor_size))
     rows.append((path, str(layout.shape), f"{layout.style} axis {layout.axis}",
                  str(layout.shard_shape(tensor_size)), devices))
@@ -58,6 +62,24 @@ def describe(plan, model, strategy):
   lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
            for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
-  lines.append(f"mesh: data={mesh.shape['data']} tensor={tensor_size}; "
-               f"replica r holds shard k on the k-th device of its group")
+  if stage_of:
+    lines.append(
+        f"mesh: data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} "
+        f"tensor={tensor_size}; in replica r, stage s holds shard k on the "
+        f"replica's device s*{tensor_size}+k")
+  else:
+    lines.append(f"mesh: data={mesh.shape['data']} tensor={tensor_size}; "
+                 f"replica r holds shard k on the k-th device of its group")
   return "\n".join(lines)
+
+
+def _stage_of_layer(model, strategy):
+  """{top-level layer name: its pipeline stage}; {} without a pipeline."""
+  stage_plan = getattr(model, "_tfpar_stage_plan", None)
+  cut = getattr(strategy.extended, "stage_plan", None)
+  if stage_plan is None and cut is not None:
+    stage_plan = cut(model)
+  if stage_plan is None:
+    return {}
+  return {layer.name: stage.index for stage in stage_plan.stages
+          for layer in stage.layers}

@@ -133,10 +133,10 @@ class ShardingPlan:
       model: a built Keras model.
       strategy: the `tfpar.TensorParallelStrategy`; default: the strategy
         the model was created under.
-      print_fn: where the lines go.
+      print_fn: where the lines go; None to only return the text.
 
     Returns:
-      The printed text.
+      The text.
 
     Example:
 
@@ -150,7 +150,8 @@ class ShardingPlan:
     """
     from tfpar.tensor_parallel import describe as describe_lib  # pylint: disable=g-import-not-at-top
     text = describe_lib.describe(self, model, strategy)
-    print_fn(text)
+    if print_fn is not None:
+      print_fn(text)
     return text
 
   def __repr__(self):
