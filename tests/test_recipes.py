@@ -2,8 +2,6 @@
 are errors naming the key, and `tfpar launch --recipe` switches recipe
 with no code change."""
 
-import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,43 +14,23 @@ import tfpar
 import tfpar.recipes as recipes  # tfpar.from_recipe, once exported.
 from tfpar import cli
 from tfpar.recipes import schema
+from recipe_common import BATCH
+from recipe_common import EXAMPLE
+from recipe_common import fit_losses
+from recipe_common import ROOT
+from recipe_common import ROWS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = os.path.join(ROOT, "strategies")
-EXAMPLE = os.path.join(ROOT, "examples", "train_with_recipe.py")
 ISSUE_RECIPES = {"data_parallel", "zero1", "zero2", "zero3", "zero_offload",
                  "tensor", "tensor_sequence_parallel", "gpipe", "1f1b", "3d"}
-ROWS = 48
-BATCH = 16  # A multiple of data x num_microbatches of every recipe here.
 KIND_CLASSES = {"data_parallel": "DataParallelStrategy",
                 "tensor_parallel": "TensorParallelStrategy",
                 "pipeline_parallel": "PipelineParallelStrategy"}
 
 
-def _import_example():
-  spec = importlib.util.spec_from_file_location("train_with_recipe", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-example = _import_example()  # Its model, data and loss recorder.
-
-
-def _fit_losses(strategy=None, callbacks=()):
-  scope = strategy.scope() if strategy else contextlib.nullcontext()
-  with scope:
-    model = example.compile_model(example.token_model())
-  x, y = example.token_data(ROWS)
-  record = example.StepLosses()
-  model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-            callbacks=[*callbacks, record])
-  return np.array(record.losses)
-
-
 @pytest.fixture(scope="module")
 def one_device_losses():
-  return _fit_losses()
+  return fit_losses()
 
 
 def _subprocess_env():
@@ -98,7 +76,7 @@ def test_every_recipe_trains_like_one_device(name, one_device_losses):
   setup = recipes.from_recipe(name)
   _assert_built_as_declared(setup)
   strategy, callbacks = setup
-  losses = _fit_losses(strategy, callbacks)
+  losses = fit_losses(strategy, callbacks)
   print(f"{name}: max |loss - one device| = "
         f"{np.abs(losses - one_device_losses).max():.2e}")
   np.testing.assert_allclose(losses, one_device_losses, atol=1e-5, rtol=0)
