@@ -68,6 +68,9 @@ def add_parser(subcommands):
                       help="list every candidate, not just the readable set")
   parser.add_argument("--plot", metavar="PNG", default=None,
                       help="also draw the memory bar chart to this PNG file")
+  parser.add_argument("--write-recipe", metavar="TOML", default=None,
+                      help="also write the recommended layout as a recipe "
+                      "file for `tfpar launch --recipe TOML`")
   return parser
 
 
@@ -158,4 +161,8 @@ def run(args):
   if args.plot:
     result.plot(args.plot, all_candidates=args.all)
     print(f"\nWrote the memory chart to {args.plot}")
+  if args.write_recipe and result.recommended is not None:
+    result.write_recipe(args.write_recipe)
+    print(f"\nWrote the recommended layout to {args.write_recipe}: run it "
+          f"with tfpar launch --recipe {args.write_recipe} train.py")
   return 0 if result.recommended is not None else 1

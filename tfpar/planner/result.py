@@ -187,3 +187,42 @@ class PlanResult:
     """
     from tfpar.planner import chart  # pylint: disable=g-import-not-at-top
     return chart.write_png(self, path, self.shown(all_candidates))
+
+  def write_recipe(self, path, candidate=None):
+    """Writes a layout as a recipe file for `tfpar.from_recipe` and
+    `tfpar launch --recipe PATH`.
+
+    Args:
+      path: the `.toml` file to write.
+      candidate: the `Candidate` to write; default the recommendation.
+
+    Returns:
+      `path`.
+
+    Raises:
+      ValueError: no candidate given and none fits.
+
+    Example:
+
+    >>> import tfpar.planner
+    >>> result = tfpar.planner.plan(7.5e9, 64, "32GB", precision="mixed")
+    >>> result.write_recipe("/tmp/mine.toml")  # doctest: +SKIP
+    '/tmp/mine.toml'
+    """
+    from tfpar.planner import to_recipe  # pylint: disable=g-import-not-at-top
+    candidate = candidate or self.recommended
+    if candidate is None:
+      raise ValueError(
+          f"No layout of {self.model_name!r} fits "
+          f"{units.format_bytes(self.memory_per_device)} per device, so "
+          f"there is no recommendation to write; pass candidate= to write "
+          f"another.")
+    comment = (
+        f"Written by tfpar plan: {self.title()}.\n"
+        f"{candidate.name} needs {units.format_bytes(candidate.memory.total)}"
+        f" on its fullest device.\n"
+        f"Run it: tfpar launch --recipe {path} train.py, or "
+        f"tfpar.from_recipe({path!r}).")
+    with open(path, "w") as f:
+      f.write(to_recipe.recipe_text(candidate.layout, comment))
+    return path
