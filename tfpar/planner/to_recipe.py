@@ -1,5 +1,5 @@
 """A planner layout as a recipe file, so `tfpar launch --recipe FILE` runs
-what `tfpar plan` recommends. Pure Python."""
+what `tfpar plan` recommends."""
 
 try:
   import tomllib
