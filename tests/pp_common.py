@@ -1,5 +1,7 @@
 """Models, data and the one-device reference shared by the pipeline tests."""
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -60,6 +62,13 @@ def train(strategy=None, model_fn=residual_chain, rows=ROWS, batch=BATCH,
   prediction = model.predict(x, batch_size=batch, verbose=0)
   return (history.history, evaluation, prediction, model.get_weights(),
           model)
+
+
+@functools.cache
+def one_device():
+  """`train()` without a strategy, run once per process and shared by the
+  tests that compare with it. Callers must not train the model further."""
+  return train()
 
 
 def assert_same_training(reference, result, atol=1e-5):

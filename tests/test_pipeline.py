@@ -1,8 +1,10 @@
 """PipelineParallelStrategy: equality with one device, stages, placement,
 schedule order and traces, bad input."""
 
+import functools
 import json
 import os
+import types
 import warnings
 
 import keras
@@ -19,7 +21,23 @@ LAYOUTS = [(2, 2), (4, 1)]  # (pipeline, data) on the 4 test devices.
 
 @pytest.fixture(scope="module")
 def reference():
-  return pp_common.train()
+  return pp_common.one_device()
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+  """schedule -> the pipeline 2 x data 2, 4 micro-batch run (made once) with
+  a PipelineTrace of batch 2: one run for the equality, placement and trace
+  tests, which check different things of it."""
+  @functools.cache
+  def run(schedule):
+    log_dir = tmp_path_factory.mktemp(f"trace_{schedule}")
+    strategy = _strategy(2, 2, 4, schedule)
+    callback = tfpar.PipelineTrace(str(log_dir), step=2, verbose=False)
+    result = pp_common.train(strategy, callbacks=[callback])
+    return types.SimpleNamespace(strategy=strategy, result=result,
+                                 callback=callback, log_dir=log_dir)
+  return run
 
 
 def _strategy(pipeline, data, m, schedule="1f1b", **kwargs):
@@ -33,9 +51,12 @@ def _strategy(pipeline, data, m, schedule="1f1b", **kwargs):
 @pytest.mark.parametrize("schedule", schedules.SCHEDULES)
 @pytest.mark.parametrize("pipeline,data", LAYOUTS)
 @pytest.mark.parametrize("m", [1, 4, 8])
-def test_fit_evaluate_predict_match_one_device(reference, schedule, pipeline,
-                                               data, m):
-  result = pp_common.train(_strategy(pipeline, data, m, schedule))
+def test_fit_evaluate_predict_match_one_device(reference, traced, schedule,
+                                               pipeline, data, m):
+  if (pipeline, data, m) == (2, 2, 4):
+    result = traced(schedule).result
+  else:
+    result = pp_common.train(_strategy(pipeline, data, m, schedule))
   pp_common.assert_same_training(reference, result)
 
 
@@ -52,9 +73,9 @@ def test_uneven_final_batch_matches_one_device():
   pp_common.assert_same_training(reference, result)
 
 
-def test_stage_variables_and_optimizer_state_live_on_stage_devices():
-  strategy = _strategy(2, 2, 4)
-  *_, model = pp_common.train(strategy, epochs=1)
+def test_stage_variables_and_optimizer_state_live_on_stage_devices(traced):
+  run = traced("1f1b")
+  strategy, model = run.strategy, run.result[-1]
   plan = model._tfpar_stage_plan  # pylint: disable=protected-access
   by_variable = {}
   for stage in plan.stages:
@@ -116,24 +137,22 @@ def test_sequential_models_are_cut():
 
 
 @pytest.mark.parametrize("schedule", schedules.SCHEDULES)
-def test_trace_shows_each_stage_runs_the_schedule_order(tmp_path, schedule):
-  strategy = _strategy(2, 2, 4, schedule)
-  callback = tfpar.PipelineTrace(str(tmp_path), step=2, verbose=False)
-  pp_common.train(strategy, epochs=1, callbacks=[callback])
-  trace = callback.trace
+def test_trace_shows_each_stage_runs_the_schedule_order(traced, schedule):
+  run = traced(schedule)
+  log_dir, trace = run.log_dir, run.callback.trace
   orders = schedules.stage_orders(schedule, 2, 4)
   for replica in (0, 1):
     for stage in (0, 1):
       assert trace.stage_order(stage, replica) == [
           (w.microbatch, w.phase) for w in orders[stage]]
   assert 0.0 < trace.bubble_fraction() < 1.0
-  png = tf.io.decode_png(tf.io.read_file(str(tmp_path / "schedule.png")))
+  png = tf.io.decode_png(tf.io.read_file(str(log_dir / "schedule.png")))
   assert png.shape[0] > 2 * 30 and png.shape[2] == 3
-  with open(tmp_path / "schedule.trace.json") as f:
+  with open(log_dir / "schedule.trace.json") as f:
     events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
   assert len(events) == 2 * 2 * 2 * 4  # replicas x stages x F/B x m.
   assert any(name.endswith(".xplane.pb") for _, _, files in
-             os.walk(tmp_path / "plugins" / "profile") for name in files)
+             os.walk(log_dir / "plugins" / "profile") for name in files)
 
 
 def test_1f1b_keeps_at_most_p_microbatches_alive_per_stage():

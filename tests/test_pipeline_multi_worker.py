@@ -26,7 +26,7 @@ def test_stages_on_two_workers_match_one_device(tmp_path):
   for stage, devices in result["stage_devices"].items():
     task = 0 if int(stage) < 2 else 1
     assert all(f"/task:{task}/" in d for d in devices), (stage, devices)
-  reference = pp_common.train()
+  reference = pp_common.one_device()
   pp_common.assert_same_training(reference, (
       result["history"], result["evaluate"],
       np.array(result["predict"], "float32"),

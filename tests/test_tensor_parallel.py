@@ -20,21 +20,27 @@ CLIPPING = {"gpt": {"global_clipnorm": 0.5}, "mlp": {"clipnorm": 0.05}}
 BUILDERS = {"gpt": tp_common.gpt, "mlp": tp_common.mlp}
 
 
-def _trained(name, strategy=None):
+def _trained(name, layout=None):
+  """(strategy, model, step losses) of `name` trained one device (layout
+  None) or tensor parallel; the GPT's runs are tp_common's shared ones."""
+  if name == "gpt":
+    run = tp_common.trained_gpt(layout)
+    return run.strategy, run.model, run.losses
   build = lambda: tp_common.compile_model(BUILDERS[name](), **CLIPPING[name])
   x, y = tp_common.data(name)
+  strategy = None if layout is None else tfpar.TensorParallelStrategy(
+      tfpar.Mesh(layout))
   if strategy is None:
     model = build()
   else:
     with strategy.scope():
       model = build()
-  losses = tp_common.step_losses(model, x, y)
-  return model, losses
+  return strategy, model, tp_common.step_losses(model, x, y)
 
 
 @pytest.fixture(scope="module")
 def references():
-  return {name: _trained(name) for name in BUILDERS}
+  return {name: _trained(name)[1:] for name in BUILDERS}
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -42,8 +48,7 @@ def references():
     f"{k}{v}" for k, v in l.items()))
 def test_trains_like_one_device(references, name, layout):
   reference, reference_losses = references[name]
-  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh(layout))
-  model, losses = _trained(name, strategy)
+  strategy, model, losses = _trained(name, layout)
   assert strategy.num_replicas_in_sync == layout["data"]
   assert len(losses) == 24
   np.testing.assert_allclose(losses, reference_losses, atol=1e-5, rtol=0)
@@ -63,12 +68,8 @@ def test_trains_like_one_device(references, name, layout):
 
 
 def test_shards_live_on_their_devices():
-  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2,
-                                                      "tensor": 2}))
-  with strategy.scope():
-    model = tp_common.compile_model(tp_common.gpt())
-  x, y = tp_common.data("gpt", count=16)
-  model.fit(tp_common.dataset(x, y), epochs=1, verbose=0)
+  run = tp_common.trained_gpt({"data": 2, "tensor": 2})  # Fitted.
+  strategy, model = run.strategy, run.model
   groups = strategy.mesh.replicas
   # Shard 1's gradients were all-reduced by a collective on the shard-1
   # devices (shard 0's by the replica heads' own).
@@ -122,13 +123,8 @@ def test_backward_runs_on_the_shard_devices():
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "x".join(
     f"{k}{v}" for k, v in l.items()))
 def test_megatron_communication_per_step(layout):
-  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh(layout))
-  with strategy.scope():
-    model = tp_common.compile_model(tp_common.gpt())
-  x, y = tp_common.data("gpt", count=16)
-  with tfpar.CommunicationLog() as log:
-    model.fit(tp_common.dataset(x, y), epochs=1, steps_per_epoch=1,
-              verbose=0)
+  # The log of the shared run: what one traced step emits.
+  log = tp_common.trained_gpt(layout).log
   blocks, t = tp_common.BLOCKS, layout["tensor"]
   embeddings = 2  # Token and position tables, vocabulary-parallel.
   # Per block Megatron's 2 all-reduces forward and 2 backward; each is a

@@ -28,9 +28,8 @@ def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path):
       "/job:worker/replica:0/task:1/device:CPU:0",
       "/job:worker/replica:0/task:1/device:CPU:1"]]
 
-  reference = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
-  x, y = tp_common.data("gpt")
-  losses = tp_common.step_losses(reference, x, y)
+  one_device = tp_common.trained_gpt()  # Shared with the other GPT tests.
+  reference, losses = one_device.model, one_device.losses
   px, py = tp_common.data("gpt", count=20, seed=7)
   weights = tfpar.logical_weights(reference)
   for result in results:

@@ -16,9 +16,8 @@ IDS = ["data2xtensor2", "data1xtensor4"]
 
 @pytest.fixture(scope="module")
 def reference():
-  model = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
-  x, y = tp_common.data("gpt")
-  return model, tp_common.step_losses(model, x, y)
+  run = tp_common.trained_gpt()
+  return run.model, run.losses
 
 
 def _gpt(layout, sequence_parallel=True):
@@ -32,10 +31,9 @@ def _gpt(layout, sequence_parallel=True):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
 def test_sequence_parallel_trains_like_one_device(reference, layout):
   expected_model, expected_losses = reference
-  _, model = _gpt(layout)
-  x, y = tp_common.data("gpt")
-  np.testing.assert_allclose(tp_common.step_losses(model, x, y),
-                             expected_losses, atol=1e-5, rtol=0)
+  run = tp_common.trained_gpt(layout, sequence_parallel=True)
+  model = run.model
+  np.testing.assert_allclose(run.losses, expected_losses, atol=1e-5, rtol=0)
   expected = tfpar.logical_weights(expected_model)
   actual = tfpar.logical_weights(model)
   for path in expected:
@@ -50,18 +48,14 @@ def test_sequence_parallel_trains_like_one_device(reference, layout):
       expected_model.evaluate(px, py, batch_size=8, verbose=0), atol=1e-5)
 
 
-def _one_step_log(layout, sequence_parallel):
-  _, model = _gpt(layout, sequence_parallel)
-  x, y = tp_common.data("gpt", count=16)
-  with tfpar.CommunicationLog() as log:
-    model.fit(tp_common.dataset(x, y), epochs=1, steps_per_epoch=1,
-              verbose=0)
-  return log
+def _step_log(layout, sequence_parallel):
+  """What one traced training step emits: the log of the shared run."""
+  return tp_common.trained_gpt(layout, sequence_parallel).log
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
 def test_reduce_scatter_and_all_gather_replace_the_all_reduces(layout):
-  log = _one_step_log(layout, sequence_parallel=True)
+  log = _step_log(layout, sequence_parallel=True)
   blocks, embeddings = tp_common.BLOCKS, 2
   counts = log.counts()
   assert counts == {
@@ -77,7 +71,7 @@ def test_reduce_scatter_and_all_gather_replace_the_all_reduces(layout):
       ("scatter", "backward"): 1,
   }
   plain = log.bytes()
-  dense = _one_step_log(layout, sequence_parallel=False).bytes()
+  dense = _step_log(layout, sequence_parallel=False).bytes()
   # Same bytes for the transformer blocks and embeddings as reduce +
   # broadcast.
   assert (plain[("reduce-scatter", "forward")] ==

@@ -14,6 +14,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfpar
 import tp_common
@@ -24,9 +25,8 @@ TIMEOUT = 400
 
 @pytest.fixture(scope="module")
 def reference():
-  model = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
-  x, y = tp_common.data("gpt")
-  losses = tp_common.step_losses(model, x, y)
+  one_device = tp_common.trained_gpt()  # Shared with the other GPT tests.
+  model, losses = one_device.model, one_device.losses
   px, py = tp_common.data("gpt", count=16, seed=7)
   return {"losses": losses,
           "evaluate": model.evaluate(px, py, batch_size=8, verbose=0),
@@ -69,7 +69,7 @@ def _assert_stage_shards_on_stage_devices(result, tensor):
 
 
 @pytest.mark.parametrize("data,schedule,zero_stage", [
-    (1, "1f1b", 0), (2, "gpipe", 1)])
+    (1, "1f1b", 0), (2, "gpipe", 1), (2, "1f1b", 3)])
 def test_pipeline_of_tensor_parallel_stages_matches_one_device(
     reference, tmp_path, data, schedule, zero_stage):
   name = f"d{data}"
@@ -79,12 +79,24 @@ def test_pipeline_of_tensor_parallel_stages_matches_one_device(
   assert result["num_replicas"] == data
   _assert_same_as(reference, result)
   _assert_stage_shards_on_stage_devices(result, tensor=2)
-  if zero_stage:  # Adam's 2 moments + the weight slice each replica
-    # updates, sliced over `data`: 3 x the weights in all, not 2 x data.
-    state = sum(result["optimizer_bytes"].values())
-    weights = sum(np.asarray(v, np.float32).nbytes
-                  for v in reference["weights"].values())
-    assert abs(state - 3 * weights) < 0.02 * 3 * weights, (state, weights)
+  if zero_stage:
+    _assert_zero_slices_over_data(reference, result, zero_stage)
+
+
+def _assert_zero_slices_over_data(reference, result, zero_stage):
+  """Optimizer state, and under ZeRO-3 the weights, held once in all the
+  replicas together instead of once per replica."""
+  weights = sum(np.asarray(v, np.float32).nbytes
+                for v in reference["weights"].values())
+  # Adam's 2 moments, plus under stages 1-2 the weight slice each replica
+  # updates (under stage 3 that slice is the weight itself).
+  state = sum(result["optimizer_bytes"].values())
+  expected_state = (2 if zero_stage == 3 else 3) * weights
+  assert abs(state - expected_state) < 0.02 * expected_state, (state, weights)
+  held = sum(result["parameter_bytes"].values())
+  copies = 1 if zero_stage == 3 else result["num_replicas"]
+  assert abs(held - copies * weights) < 0.02 * copies * weights, (held,
+                                                                  weights)
 
 
 def test_3d_across_two_workers_with_zero2_matches_one_device(reference,
@@ -132,3 +144,19 @@ def test_plan_without_tensor_axis_is_an_error():
     tfpar.PipelineParallelStrategy(
         tfpar.Mesh({"pipeline": 2}), num_microbatches=2,
         plan=[("dense", tfpar.ColumnParallel())])
+
+
+def test_tensor_stages_whose_pipeline_crosses_workers_are_refused():
+  """A pipeline across workers is driven by the chief
+  (tfpar.pipeline.cross_worker), which has no tensor-parallel stages: a
+  ValueError before any worker connects, instead of a hang."""
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec({"worker": ["127.0.0.1:2000", "127.0.0.1:2001"]}),
+      task_type="worker", task_id=1)
+  mesh = tfpar.Mesh.from_cluster_resolver(resolver, data=1, pipeline=4,
+                                          tensor=2)
+  assert len({mesh.worker_of(d) for d in mesh.replica_devices(0)}) == 2
+  with pytest.raises(ValueError, match=r"Tensor-parallel stages \(tensor=2\) "
+                     r"need each pipeline inside one worker: put the workers "
+                     r"on the 'data' axis"):
+    tfpar.PipelineParallelStrategy(mesh, num_microbatches=4)

@@ -2,6 +2,7 @@
 of the state (and at stage 3 of the weights) per device from the first
 allocation on, and move the bytes ZeRO's analysis predicts."""
 
+import functools
 import math
 import os
 import subprocess
@@ -10,13 +11,16 @@ import sys
 import keras
 import numpy as np
 import pytest
-from tensorflow.python.ops import resource_variable_ops
 
 import dp_common
 import tfpar
+import tp_common
+from zero_common import accumulation_run
+from zero_common import adam_run
 from zero_common import assert_same_training
 from zero_common import data_parallel
 from zero_common import model_under
+from zero_common import STOCK_MIRRORED_SCRIPT
 
 STAGES = (1, 2, 3)
 OPTIMIZERS = {
@@ -39,15 +43,41 @@ OPTIMIZERS = {
 EPOCHS = 5
 
 
+# Runs shared by the tests that check different things of the same run
+# (each made on first use, once per module).
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  """name -> (model, epoch losses) of that optimizer on one device."""
+  @functools.cache
+  def run(name):
+    x, y = dp_common.make_data()
+    reference = model_under(OPTIMIZERS[name])
+    return reference, dp_common.fit(reference, x, y, epochs=EPOCHS)["loss"]
+  return run
+
+
+@pytest.fixture(scope="module")
+def adam_runs():
+  """stage (None: no ZeRO) -> zero_common.adam_run(stage)."""
+  return functools.cache(adam_run)
+
+
+@pytest.fixture(scope="module")
+def accumulation_runs():
+  """stage -> zero_common.accumulation_run(stage)."""
+  return functools.cache(accumulation_run)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_every_stage_trains_like_one_device(name, stage):
+def test_every_stage_trains_like_one_device(name, stage, one_device):
   x, y = dp_common.make_data()
-  reference = model_under(OPTIMIZERS[name])
-  expected = dp_common.fit(reference, x, y, epochs=EPOCHS)["loss"]
+  reference, expected = one_device(name)
   model = model_under(OPTIMIZERS[name], data_parallel())
-  losses = dp_common.fit(model, x, y, epochs=EPOCHS,
-                         callbacks=[tfpar.ZeRO(stage=stage)])["loss"]
+  losses = dp_common.fit_one_iterator(
+      model, x, y, epochs=EPOCHS, callbacks=[tfpar.ZeRO(stage=stage)])["loss"]
   assert_same_training(model, reference, losses, expected)
   # The state really is sliced: every slot holds 1/4 of its weight.
   sizes = {math.ceil(np.prod(w.shape) / 4) for w in reference.weights}
@@ -60,32 +90,12 @@ def test_every_stage_trains_like_one_device(name, stage):
     assert len(slot.value.values) == 4 and slot.shape[0] in sizes
 
 
-_STOCK_MIRRORED = """
-import sys
-sys.path.insert(0, sys.argv[1])
-import conftest, keras, numpy as np, tensorflow as tf
-import dp_common, tfpar
-from zero_common import model_under
-make = lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0)
-x, y = dp_common.make_data()
-reference = model_under(make)
-expected = dp_common.fit(reference, x, y)["loss"]
-strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
-for stage in (1, 2, 3):
-  zero = model_under(make, strategy)
-  losses = dp_common.fit(zero, x, y, callbacks=[tfpar.ZeRO(stage=stage)])
-  print(stage, max(abs(a - b) for a, b in zip(losses["loss"], expected)),
-        max(float(np.max(np.abs(a - b))) for a, b in
-            zip(zero.get_weights(), reference.get_weights())),
-        tuple(zero.optimizer.variables[-1].shape))
-"""
-
-
 def test_every_stage_under_stock_mirrored_strategy():
   # Stock MirroredStrategy instances of one process share collective keys
   # (tfpar's strategies do not), so this runs in a process of its own.
   run = subprocess.run(
-      [sys.executable, "-c", _STOCK_MIRRORED, os.path.dirname(__file__)],
+      [sys.executable, "-c", STOCK_MIRRORED_SCRIPT,
+       os.path.dirname(__file__)],
       capture_output=True, text=True, timeout=400)
   assert run.returncode == 0, run.stderr[-3000:]
   lines = [line.split(" ", 3) for line in run.stdout.strip().splitlines()]
@@ -96,23 +106,25 @@ def test_every_stage_under_stock_mirrored_strategy():
     assert slot_shape == "(1,)"  # The 1-element bias's velocity / 4.
 
 
-def _tensor_parallel_losses(stage, clipnorm):
-  import tp_common  # pylint: disable=g-import-not-at-top
+@pytest.fixture(scope="module")
+def tensor_parallel_reference():
+  """tp_common's MLP trained on one device: (model, step losses)."""
   x, y = tp_common.data("mlp")
-  reference = tp_common.compile_model(tp_common.mlp(), clipnorm=clipnorm)
-  expected = tp_common.step_losses(reference, x, y)
-  strategy = tfpar.TensorParallelStrategy(
-      tfpar.Mesh({"data": 2, "tensor": 2}))
-  with strategy.scope():
-    model = tp_common.compile_model(tp_common.mlp(), clipnorm=clipnorm)
-  losses = tp_common.step_losses(model, x, y,
-                                 callbacks=[tfpar.ZeRO(stage=stage)])
-  return model, reference, losses, expected
+  reference = tp_common.compile_model(tp_common.mlp(), clipnorm=0.05)
+  return reference, tp_common.step_losses(reference, x, y)
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_under_tensor_parallelism_slices_each_shard(stage):
-  model, reference, losses, expected = _tensor_parallel_losses(stage, 0.05)
+def test_under_tensor_parallelism_slices_each_shard(
+    stage, tensor_parallel_reference):
+  reference, expected = tensor_parallel_reference
+  x, y = tp_common.data("mlp")
+  strategy = tfpar.TensorParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}))
+  with strategy.scope():
+    model = tp_common.compile_model(tp_common.mlp(), clipnorm=0.05)
+  losses = tp_common.step_losses(model, x, y,
+                                 callbacks=[tfpar.ZeRO(stage=stage)])
   np.testing.assert_allclose(losses, expected, atol=1e-5, rtol=0)
   got, want = tfpar.logical_weights(model), tfpar.logical_weights(reference)
   for path, value in want.items():
@@ -130,26 +142,10 @@ def test_under_tensor_parallelism_slices_each_shard(stage):
                                                               abs=0.01)
 
 
-def _created_variables(monkeypatch):
-  """Records (name, shape) of every tf variable created, however made."""
-  created = []
-  original = resource_variable_ops.ResourceVariable.__init__
-
-  def record(self, *args, **kwargs):
-    original(self, *args, **kwargs)
-    created.append((self.name, tuple(self.shape)))
-  monkeypatch.setattr(resource_variable_ops.ResourceVariable, "__init__",
-                      record)
-  return created
-
-
 @pytest.mark.parametrize("stage", STAGES)
-def test_full_size_state_is_never_allocated(stage, monkeypatch):
-  x, y = dp_common.make_data()
-  model = model_under(lambda: keras.optimizers.Adam(
-      0.01, gradient_accumulation_steps=2), data_parallel())
-  created = _created_variables(monkeypatch)
-  dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=stage)])
+def test_full_size_state_is_never_allocated(stage, accumulation_runs):
+  run = accumulation_runs(stage)
+  model, created = run.model, run.created
   sizes = {w.path.replace("/", "_"): math.ceil(np.prod(w.shape) / 4)
            for w in model.trainable_variables}
   sliced = ("momentum", "velocity") + (
@@ -163,15 +159,12 @@ def test_full_size_state_is_never_allocated(stage, monkeypatch):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_bytes_per_device_follow_the_zero_formulas(stage):
-  x, y = dp_common.make_data()
+def test_bytes_per_device_follow_the_zero_formulas(stage, adam_runs,
+                                                   accumulation_runs):
   # (Keras alone cannot accumulate gradients under a tf.distribute
   # strategy: its accumulation calls merge_call inside tf.cond.)
-  plain = model_under(lambda: keras.optimizers.Adam(0.01), data_parallel())
-  dp_common.fit(plain, x, y, epochs=1)
-  model = model_under(lambda: keras.optimizers.Adam(
-      0.01, gradient_accumulation_steps=2), data_parallel())
-  dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=stage)])
+  plain = adam_runs(None).model  # Plain Adam, no ZeRO.
+  model = accumulation_runs(stage).model
   before, after = tfpar.memory_report(plain), tfpar.memory_report(model)
   counters = 8 + 4  # int64 iteration and float32 learning rate.
   whole = sum(4 * int(np.prod(w.shape)) for w in model.trainable_variables)
@@ -195,12 +188,9 @@ def test_bytes_per_device_follow_the_zero_formulas(stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_collective_bytes_match_zero_analysis(stage):
-  x, y = dp_common.make_data()
-  model = model_under(lambda: keras.optimizers.Adam(0.01), data_parallel())
-  with tfpar.CommunicationLog() as log:
-    dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=stage)])
-  moved = log.bytes()
+def test_collective_bytes_match_zero_analysis(stage, adam_runs):
+  model = adam_runs(stage).model
+  moved = adam_runs(stage).log.bytes()
   # Plain data parallelism: a ring all-reduce sends 2 (N - 1) / N of the
   # gradients from each device.
   parameters = sum(int(np.prod(w.shape)) for w in model.trainable_variables)
@@ -219,14 +209,25 @@ def test_collective_bytes_match_zero_analysis(stage):
     assert ratio == pytest.approx(1.5, abs=0.01)
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_cpu_offload_keeps_state_and_update_on_the_host(stage):
+def _adam_accumulating():
+  return keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
+
+
+@pytest.fixture(scope="module")
+def accumulating_reference():
+  """Adam with gradient accumulation on one device: (model, losses)."""
   x, y = dp_common.make_data()
-  make = lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
-  reference = model_under(make)
-  expected = dp_common.fit(reference, x, y)["loss"]
-  model = model_under(make, data_parallel())
-  losses = dp_common.fit(
+  reference = model_under(_adam_accumulating)
+  return reference, dp_common.fit(reference, x, y)["loss"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_cpu_offload_keeps_state_and_update_on_the_host(
+    stage, accumulating_reference):
+  x, y = dp_common.make_data()
+  reference, expected = accumulating_reference
+  model = model_under(_adam_accumulating, data_parallel())
+  losses = dp_common.fit_one_iterator(
       model, x, y, callbacks=[tfpar.ZeRO(stage=stage, offload="cpu")])["loss"]
   assert_same_training(model, reference, losses, expected)
   host = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -240,10 +241,9 @@ def test_cpu_offload_keeps_state_and_update_on_the_host(stage):
   assert len({c.device for c in model.weights[0].value.values}) == 4
 
 
-def test_stage3_weights_read_whole_outside_replicas():
-  x, y = dp_common.make_data()
-  model = model_under(lambda: keras.optimizers.Adam(0.01), data_parallel())
-  dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=3)])
+def test_stage3_weights_read_whole_outside_replicas(adam_runs):
+  x, _ = dp_common.make_data()
+  model = adam_runs(3).model  # Changed below: no later test reads it.
   kernel = model.layers[0].kernel
   assert [c.shape[0] for c in kernel.value.values] == [64] * 4
   assert kernel.numpy().shape == (8, 32)
@@ -282,10 +282,9 @@ def test_unshardable_set_ups_are_refused(make, compile_kwargs, message):
     dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=2)])
 
 
-def test_built_optimizer_and_optimizer_outside_scope_are_refused():
+def test_built_optimizer_and_optimizer_outside_scope_are_refused(adam_runs):
   x, y = dp_common.make_data()
-  model = model_under(lambda: keras.optimizers.Adam(0.01), data_parallel())
-  dp_common.fit(model, x, y, epochs=1)
+  model = adam_runs(None).model  # Fitted without ZeRO: optimizer built.
   with pytest.raises(ValueError, match="needs optimizer .* unbuilt"):
     dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=1)])
   optimizer = keras.optimizers.Adam(0.01)
@@ -297,10 +296,9 @@ def test_built_optimizer_and_optimizer_outside_scope_are_refused():
     dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=1)])
 
 
-def test_changing_stage_between_fits_is_refused():
+def test_changing_stage_between_fits_is_refused(adam_runs):
   x, y = dp_common.make_data()
-  model = model_under(lambda: keras.optimizers.Adam(0.01), data_parallel())
-  dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=2)])
+  model = adam_runs(2).model  # Fitted once with ZeRO(stage=2).
   dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=2)])
   with pytest.raises(ValueError, match="cannot change to stage=3"):
     dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=3)])

@@ -2,6 +2,9 @@
 resume over another replica count, or without ZeRO, with the losses the
 run would have had."""
 
+import functools
+import types
+
 import h5py
 import keras
 import numpy as np
@@ -24,15 +27,28 @@ def _two_replicas():
       tfpar.Mesh({"data": 2}, tfpar.Mesh().devices[:2]))
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """stage -> a ZeRO run (made once, shared by the tests that check
+  different things of it): the model fitted one epoch, saved to `path`,
+  then 2 more epochs, whose losses are `expected`."""
+  @functools.cache
+  def run(stage):
+    x, y = dp_common.make_data()
+    model = model_under(_adam, data_parallel())
+    dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=stage)])
+    path = str(tmp_path_factory.mktemp(f"zero{stage}") / "zero.weights.h5")
+    model.save_weights(path)
+    expected = dp_common.fit(model, x, y, epochs=2)["loss"]
+    return types.SimpleNamespace(model=model, path=path, expected=expected)
+  return run
+
+
 @pytest.mark.parametrize("target", ["zero_on_2_replicas", "no_strategy"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_save_weights_resumes_elsewhere(stage, target, tmp_path):
+def test_save_weights_resumes_elsewhere(stage, target, saved):
   x, y = dp_common.make_data()
-  model = model_under(_adam, data_parallel())
-  dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=stage)])
-  path = str(tmp_path / "zero.weights.h5")
-  model.save_weights(path)
-  expected = dp_common.fit(model, x, y, epochs=2)["loss"]
+  path, expected = saved(stage).path, saved(stage).expected
 
   if target == "no_strategy":
     resumed, callbacks = model_under(_adam, seed=9), []
@@ -53,22 +69,20 @@ def test_save_weights_resumes_elsewhere(stage, target, tmp_path):
   np.testing.assert_allclose(losses["loss"], expected, atol=1e-5, rtol=0)
 
 
-def test_checkpoint_lists_what_an_unsharded_optimizer_saves(tmp_path):
+def test_checkpoint_lists_what_an_unsharded_optimizer_saves(tmp_path, saved):
   x, y = dp_common.make_data()
   plain = model_under(_adam)
   dp_common.fit(plain, x, y, epochs=1)
   plain.save_weights(str(tmp_path / "plain.weights.h5"))
-  model = model_under(_adam, data_parallel())
-  dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=3)])
-  model.save_weights(str(tmp_path / "zero.weights.h5"))
+  model = saved(3).model  # ZeRO-3, its weights saved after one epoch.
 
-  def shapes(name):
+  def shapes(path):
     found = {}
-    with h5py.File(tmp_path / name) as f:
+    with h5py.File(path) as f:
       f.visititems(lambda key, item: found.setdefault(key, item.shape)
                    if isinstance(item, h5py.Dataset) else None)
     return found
-  assert shapes("zero.weights.h5") == shapes("plain.weights.h5")
+  assert shapes(saved(3).path) == shapes(tmp_path / "plain.weights.h5")
   # A whole .keras file loads as a plain model with a plain Adam.
   model.save(str(tmp_path / "zero.keras"))
   loaded = keras.models.load_model(str(tmp_path / "zero.keras"))

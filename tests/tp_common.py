@@ -1,5 +1,9 @@
 """Models, data and references shared by the tensor-parallel tests."""
 
+import contextlib
+import functools
+import types
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -97,6 +101,33 @@ def step_losses(model, x, y, epochs=2, callbacks=()):
   model.fit(dataset(x, y), epochs=epochs, verbose=0,
             callbacks=[Record(), *callbacks])
   return np.array(losses)
+
+
+def trained_gpt(layout=None, sequence_parallel=False):
+  """The GPT (global_clipnorm 0.5) fitted by `step_losses` on one device
+  (layout None) or under TensorParallelStrategy(Mesh(layout)), made once
+  per process and shared by the tests that check different things of the
+  same run: losses, weights, predictions, communication, placement.
+
+  Returns:
+    A namespace: strategy (None on one device), model, losses and the
+    run's CommunicationLog. Callers must not train or change the model.
+  """
+  key = tuple(sorted(layout.items())) if layout else None
+  return _trained_gpt(key, sequence_parallel)
+
+
+@functools.cache
+def _trained_gpt(layout, sequence_parallel):
+  strategy = None if layout is None else tfpar.TensorParallelStrategy(
+      tfpar.Mesh(dict(layout)), sequence_parallel=sequence_parallel)
+  with strategy.scope() if strategy else contextlib.nullcontext():
+    model = compile_model(gpt(), global_clipnorm=0.5)
+  x, y = data("gpt")
+  with tfpar.CommunicationLog() as log:
+    losses = step_losses(model, x, y)
+  return types.SimpleNamespace(strategy=strategy, model=model, losses=losses,
+                               log=log)
 
 
 def worker_result(strategy, model, predict_count, callbacks=()):

@@ -45,6 +45,7 @@ def main():
       "devices": {v.path: [c.device for c in memory.components(v)]
                   for v in model.weights},
       "optimizer_bytes": memory.memory_report(model).optimizer,
+      "parameter_bytes": memory.memory_report(model).parameters,
   })
   with open(os.path.join(out_dir, f"{name}_worker{worker}.json"), "w") as f:
     json.dump(result, f)
