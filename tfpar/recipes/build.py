@@ -128,7 +128,7 @@ def make_plan(recipe):
   (('head/kernel', ColumnParallel()),)
   """
   plan_rules = [(pattern, getattr(styles, style)())
-            for pattern, style in recipe.plan["rules"]]
+                for pattern, style in recipe.plan["rules"]]
   return ShardingPlan(plan_rules, builtin=recipe.plan["builtin"])
 
 

@@ -72,7 +72,7 @@ class Recipe:
   plan: dict = None
 
   def describe(self):
-    """One line: the strategy kind, its options, the mesh and ZeRO.
+    """One line: the strategy kind, its options, the mesh, ZeRO and plan.
 
     Example:
 
