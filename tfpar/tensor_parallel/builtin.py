@@ -2,7 +2,9 @@
 
 import keras
 
+from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 
 # Activations that act on each feature alone, so a column-split output can
@@ -22,7 +24,7 @@ def is_elementwise(activation):
 
 
 def _is_attention(layer):
-  return isinstance(layer, keras.layers.MultiHeadAttention)
+  return type(layer) is keras.layers.MultiHeadAttention
 
 
 def _attention_parts(layer):
@@ -35,26 +37,10 @@ def _attention_parts(layer):
   return parts
 
 
-def _mlp_pairs(model):
-  """{Dense layer: COLUMN or ROW} for Dense -> elementwise -> Dense pairs
-  found in the model's functional graph."""
-  found = {}
-  graph_model = getattr(model, "_functional", None) or model
-  operations = getattr(graph_model, "_operations", None)
-  if operations is None:
-    return found
-  for first in operations:
-    if not (type(first) is keras.layers.Dense and
-            is_elementwise(first.activation)):
-      continue
-    if len(first._inbound_nodes) != 1 or len(first._outbound_nodes) != 1:  # pylint: disable=protected-access
-      continue
-    second = first._outbound_nodes[0].operation  # pylint: disable=protected-access
-    if (type(second) is keras.layers.Dense and second not in found and
-        first not in found and len(second._inbound_nodes) == 1):  # pylint: disable=protected-access
-      found[first] = styles.COLUMN
-      found[second] = styles.ROW
-  return found
+def _kernel(layer):
+  """The kernel variable of a Dense or EinsumDense (`layer.kernel` is a
+  tensor, not the variable, when LoRA is enabled)."""
+  return next(w for w in layer.weights if w.name == "kernel")
 
 
 def _check_divisible(what, size, tensor_size, layer):
@@ -73,15 +59,17 @@ def _variable(var, style, axis, source):
 
 def _projection_layout(layer, kind, style, source, tensor_size):
   """Layout of a Dense or EinsumDense under COLUMN / ROW / REPLICATE."""
-  kernel, bias = layer.kernel, layer.bias
   if isinstance(style, styles.Replicate):
     return layouts.LayerLayout(layer, kind, style, tuple(
         _variable(v, style, None, source) for v in layer.weights))
   if getattr(layer, "lora_enabled", False) or getattr(
       layer, "quantization_mode", None):
     raise ValueError(
-        f"Layer {layer.name!r} uses LoRA or quantization, which tfpar's "
-        f"{style} does not support. Give it tfpar.Replicate().")
+        f"Layer {layer.name!r} ({type(layer).__name__}) uses LoRA or "
+        f"quantization ({source} gives it {style}), which tfpar cannot "
+        f"split. Give its weights tfpar.Replicate(), e.g. "
+        f"ShardingPlan([({layer.name + '/.*'!r}, tfpar.Replicate())]).")
+  kernel, bias = _kernel(layer), layer.bias
   letter = None
   if kind == layouts.DENSE:
     kernel_axis = 1 if isinstance(style, styles.ColumnParallel) else 0
@@ -133,12 +121,17 @@ def _user_layer_style(layer, user, expected):
   return None, next(iter(given.values()))[1]
 
 
-def _resolve_attention(layer, user, tensor_size, use_builtin):
-  parts = _attention_parts(layer)
+def _resolve_attention(layer, family, user, tensor_size, use_builtin):
+  """Attention split by heads: keras.layers.MultiHeadAttention with tfpar's
+  own call (family None), a registered family with its own call replayed
+  per device (`heads.py`)."""
+  parts = (family.projections(layer) if family is not None
+           else _attention_parts(layer))
+  kind = layouts.ATTENTION if family is None else layouts.HEADS
   expected = {}
   for role, dense in parts.items():
     kernel_style = styles.ROW if role == "output" else styles.COLUMN
-    expected[dense.kernel.path] = kernel_style
+    expected[_kernel(dense).path] = kernel_style
     if dense.bias is not None:
       expected[dense.bias.path] = (styles.REPLICATE if role == "output"
                                    else styles.COLUMN)
@@ -146,45 +139,54 @@ def _resolve_attention(layer, user, tensor_size, use_builtin):
   if decided is None and not use_builtin:
     decided = (styles.REPLICATE, "no rule (built-in plans off)")
   if decided is not None and decided[0] == styles.REPLICATE:
-    return [layouts.LayerLayout(layer, layouts.ATTENTION, styles.REPLICATE,
+    return [layouts.LayerLayout(layer, kind, styles.REPLICATE,
                                 tuple(_variable(v, styles.REPLICATE, None,
                                                 decided[1])
                                       for v in layer.weights))]
   source = decided[1] if decided else "built-in: attention split by heads"
+
+  def project_layout(dense, style):
+    dense_kind = (layouts.DENSE if type(dense) is keras.layers.Dense
+                  else layouts.EINSUM)
+    return _projection_layout(dense, dense_kind, style, source, tensor_size)
+
+  if family is not None:
+    return [layouts.LayerLayout(layer, kind, styles.COLUMN,
+                                families.resolved_variables(
+                                    layer, family, tensor_size, source,
+                                    project_layout))]
   _check_divisible("num_heads", layer.num_heads, tensor_size, layer)
   variables = []
   for role, dense in parts.items():
     style = styles.ROW if role == "output" else styles.COLUMN
-    variables.extend(_projection_layout(dense, layouts.EINSUM, style, source,
-                                        tensor_size).variables)
-  return [layouts.LayerLayout(layer, layouts.ATTENTION, styles.COLUMN,
-                              tuple(variables))]
+    variables.extend(project_layout(dense, style).variables)
+  return [layouts.LayerLayout(layer, kind, styles.COLUMN, tuple(variables))]
 
 
 def _resolve_projection(layer, kind, user, tensor_size, builtin_style,
                         builtin_source):
   expected_by_style = {}
   for style in (styles.COLUMN, styles.ROW):
-    expected = {layer.kernel.path: style}
+    expected = {_kernel(layer).path: style}
     if layer.bias is not None:
       expected[layer.bias.path] = style
     expected_by_style[style] = expected
   given = {p: user[p] for p in (v.path for v in layer.weights) if p in user}
   if given:
-    kernel = given.get(layer.kernel.path)
+    kernel = given.get(_kernel(layer).path)
     if kernel is None:
       path, (style, source) = next(iter(given.items()))
       if not isinstance(style, styles.Replicate):
         raise ValueError(
             f"{source} gives {path!r} the style {style} but no rule covers "
-            f"{layer.kernel.path!r}: a bias follows its kernel, so give the "
+            f"{_kernel(layer).path!r}: a bias follows its kernel, so give the "
             f"style to the kernel.")
       return _projection_layout(layer, kind, styles.REPLICATE, source,
                                 tensor_size)
     style, source = kernel
     if isinstance(style, styles.VocabParallel):
       raise ValueError(f"{source}: VocabParallel applies to Embedding "
-                       f"tables, not to {kind} kernel {layer.kernel.path!r}.")
+                       f"tables, not to {kind} kernel {_kernel(layer).path!r}.")
     if layer.bias is not None and layer.bias.path in given:
       bias_style, bias_source = given[layer.bias.path]
       if bias_style != style:
@@ -196,6 +198,13 @@ def _resolve_projection(layer, kind, user, tensor_size, builtin_style,
                             tensor_size)
 
 
+def _is_embedding(layer):
+  """Embedding tables tfpar splits on the vocabulary: keras.layers.Embedding
+  and keras.layers.ReversibleEmbedding (keras-hub's token embeddings)."""
+  return type(layer) is keras.layers.Embedding or isinstance(
+      layer, keras.layers.ReversibleEmbedding)
+
+
 def _resolve_embedding(layer, user, tensor_size, use_builtin):
   table = layer.embeddings
   if table.path in user:
@@ -204,45 +213,65 @@ def _resolve_embedding(layer, user, tensor_size, use_builtin):
     style, source = styles.VOCAB, "built-in: embedding split on vocabulary"
   else:
     style, source = styles.REPLICATE, "no rule (built-in plans off)"
+  # A ReversibleEmbedding's untied output table [hidden, vocabulary].
+  reverse = getattr(layer, "reverse_embeddings", None)
+  tables = [(table, 0)] + ([(reverse, 1)] if reverse is not None else [])
   if isinstance(style, styles.Replicate):
-    return layouts.LayerLayout(layer, layouts.EMBEDDING, style,
-                               (_variable(table, style, None, source),))
+    return layouts.LayerLayout(layer, layouts.EMBEDDING, style, tuple(
+        _variable(v, style, None, source) for v in layer.weights))
   if not isinstance(style, styles.VocabParallel):
     raise ValueError(f"{source} gives embedding table {table.path!r} the "
                      f"style {style}; tables take tfpar.VocabParallel() or "
                      f"tfpar.Replicate().")
+  if getattr(layer, "lora_enabled", False) or getattr(
+      layer, "quantization_mode", None):
+    raise ValueError(
+        f"Layer {layer.name!r} ({type(layer).__name__}) uses LoRA or "
+        f"quantization, which tfpar cannot split. Give its weights "
+        f"tfpar.Replicate().")
   _check_divisible("input_dim (vocabulary)", layer.input_dim, tensor_size,
                    layer)
-  return layouts.LayerLayout(layer, layouts.EMBEDDING, style,
-                             (_variable(table, style, 0, source),))
+  return layouts.LayerLayout(layer, layouts.EMBEDDING, style, tuple(
+      _variable(v, style, axis, source) for v, axis in tables))
 
 
 def resolve_layers(model, user, tensor_size, use_builtin=True):
-  """`LayerLayout`s of every Dense, EinsumDense, Embedding and
-  MultiHeadAttention layer of `model` (sharded or not)."""
-  pairs = _mlp_pairs(model) if use_builtin else {}
+  """`LayerLayout`s of every Dense, EinsumDense, Embedding and attention
+  layer of `model` (sharded or not).
+
+  Attention layers (keras.layers.MultiHeadAttention and the families of
+  `families.py`) are split by heads; the MLPs tracing the model finds
+  (`structure.py`) column- then row-parallel; other EinsumDense layers
+  column-parallel; other Dense layers are replicated.
+  """
   inside_attention = set()
   resolved = []
+  projections = []
   for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
     if layer in inside_attention or not layer.built:
       continue
-    if _is_attention(layer):
+    family = families.family_of(layer)
+    if _is_attention(layer) or family is not None:
       inside_attention.update(layer._flatten_layers(include_self=False))  # pylint: disable=protected-access
-      resolved.extend(_resolve_attention(layer, user, tensor_size,
+      resolved.extend(_resolve_attention(layer, family, user, tensor_size,
                                          use_builtin))
-    elif type(layer) is keras.layers.Embedding:
+    elif _is_embedding(layer):
       resolved.append(_resolve_embedding(layer, user, tensor_size,
                                          use_builtin))
-    elif type(layer) is keras.layers.EinsumDense:
-      builtin_style = styles.COLUMN if use_builtin else styles.REPLICATE
-      resolved.append(_resolve_projection(
-          layer, layouts.EINSUM, user, tensor_size, builtin_style,
-          "built-in: standalone EinsumDense" if use_builtin else "no rule"))
-    elif type(layer) is keras.layers.Dense:
-      style = pairs.get(layer, styles.REPLICATE)
-      source = ("built-in: MLP pair" if layer in pairs else
-                "built-in: lone Dense is replicated" if use_builtin else
-                "no rule")
-      resolved.append(_resolve_projection(layer, layouts.DENSE, user,
-                                          tensor_size, style, source))
+    elif type(layer) in (keras.layers.EinsumDense, keras.layers.Dense):
+      projections.append(layer)
+  pairs = structure.mlp_styles(model, projections) if use_builtin else {}
+  for layer in projections:
+    dense = type(layer) is keras.layers.Dense
+    if layer in pairs:
+      style, source = pairs[layer], f"built-in: MLP ({pairs[layer]})"
+    elif not use_builtin:
+      style, source = styles.REPLICATE, "no rule"
+    elif dense:
+      style, source = styles.REPLICATE, "built-in: lone Dense is replicated"
+    else:
+      style, source = styles.COLUMN, "built-in: standalone EinsumDense"
+    resolved.append(_resolve_projection(
+        layer, layouts.DENSE if dense else layouts.EINSUM, user, tensor_size,
+        style, source))
   return resolved

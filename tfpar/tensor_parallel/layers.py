@@ -19,6 +19,7 @@ from tfpar.tensor_parallel import builtin
 from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import regions
 from tfpar.tensor_parallel import styles
 from tfpar.tensor_parallel import variables as variables_lib
 
@@ -60,7 +61,7 @@ def sequence_chunks(tensor, devices):
   return _parts(tensor, _SEQUENCE_ATTRIBUTE, SEQUENCE_AXIS, devices)
 
 
-def _spread(x, devices, name):
+def spread(x, devices, name):
   """`x` whole on every device: all-gathered from its sequence slices if it
   has them, else broadcast from the head."""
   chunks = sequence_chunks(x, devices)
@@ -83,7 +84,7 @@ def _splits_sequence(tensor, devices, name):
   return length is not None
 
 
-def _combine(partials, devices, name, finish, sequence_parallel):
+def combine(partials, devices, name, finish, sequence_parallel):
   """The sum of the shards' partial results, then `finish` (unsplit bias,
   activation): on the head, or with sequence parallelism reduce-scattered
   and finished slice by slice on every device."""
@@ -104,7 +105,7 @@ def _shard(weight, index):
   return weight
 
 
-def _project(layer, x, index, equation=None):
+def project(layer, x, index, equation=None):
   """Shard `index` of a Dense (equation None) or EinsumDense projection,
   before any bias that is not split."""
   kernel = _shard(layer._kernel, index)  # pylint: disable=protected-access
@@ -115,7 +116,7 @@ def _project(layer, x, index, equation=None):
   return y
 
 
-def _finisher(layer):
+def finisher(layer):
   """Adds the layer's unsplit bias, then applies its activation."""
   def finish(y):
     if layer.bias is not None and not isinstance(
@@ -149,11 +150,11 @@ def _column(layout, group, sequence_parallel):
   def call(inputs, training=None):
     del training
     devices = group()
-    xs = _spread(inputs, devices, layer.name)
+    xs = spread(inputs, devices, layer.name)
     outs = []
     for index, device in enumerate(devices):
       def shard_fn(x, index=index):
-        y = _project(layer, x, index, equation)
+        y = project(layer, x, index, equation)
         if elementwise and layer.activation is not None:
           y = layer.activation(y)
         return y
@@ -162,8 +163,27 @@ def _column(layout, group, sequence_parallel):
     if elementwise:
       return _tag(whole, _SPLIT_ATTRIBUTE, outs, axis, devices)
     with tf.device(devices[0]):
-      return _finisher(layer)(whole)
+      return finisher(layer)(whole)
   return call
+
+
+def _region_parts(inputs, axis, devices):
+  """Per-device slices of `inputs` recomputed from split column outputs
+  through the elementwise ops between them (a gated MLP's
+  `silu(gate) * up`), or None when `inputs` is not such a region."""
+  region = regions.find(
+      inputs, lambda t: _parts(t, _SPLIT_ATTRIBUTE, axis, devices), axis)
+  if region is None:
+    return None
+  keys = list(region.sources)
+
+  def shard_fn(*pieces):
+    return region.emit(dict(zip(keys, pieces[:len(keys)])),
+                       pieces[len(keys):])
+  return [compute.on_device(
+      device, shard_fn,
+      *[region.sources[key][index] for key in keys], *region.side)
+          for index, device in enumerate(devices)]
 
 
 def _row(layout, group, sequence_parallel):
@@ -176,12 +196,14 @@ def _row(layout, group, sequence_parallel):
     devices = group()
     xs = _parts(inputs, _SPLIT_ATTRIBUTE, axis, devices)
     if xs is None:
+      xs = _region_parts(inputs, axis, devices)
+    if xs is None:
       xs = comm.scatter(inputs, axis, devices, layer.name)
     partial = [
-        compute.on_device(device, lambda x, i=index: _project(
+        compute.on_device(device, lambda x, i=index: project(
             layer, x, i, equation), xs[index])
         for index, device in enumerate(devices)]
-    return _combine(partial, devices, layer.name, _finisher(layer),
+    return combine(partial, devices, layer.name, finisher(layer),
                     sequence_parallel)
   return call
 
@@ -190,7 +212,11 @@ def _vocab(layout, group, sequence_parallel):
   layer = layout.layer
   rows = layer.input_dim // len(layer._embeddings.shards)  # pylint: disable=protected-access
 
-  def call(inputs):
+  reverse_call = _reverse(layer, group)
+
+  def call(inputs, reverse=False):
+    if reverse:
+      return reverse_call(inputs)
     devices = group()
     if inputs.dtype not in (tf.int32, tf.int64):
       inputs = ops.cast(inputs, "int32")
@@ -204,9 +230,38 @@ def _vocab(layout, group, sequence_parallel):
                              ops.where(inside, local, 0), axis=0)
         return looked_up * ops.cast(inside, looked_up.dtype)[..., None]
       parts.append(compute.on_device(device, shard_fn, ids[index]))
-    return _combine(parts, devices, layer.name,
+    return combine(parts, devices, layer.name,
                     lambda y: ops.cast(y, layer.compute_dtype),
                     sequence_parallel)
+  return call
+
+
+def _reverse(layer, group):
+  """`keras.layers.ReversibleEmbedding(...)(x, reverse=True)` on a table
+  split on the vocabulary: each device computes its slice of the logits."""
+  tied = getattr(layer, "tie_weights", True)
+
+  def call(inputs):
+    devices = group()
+    xs = spread(inputs, devices, layer.name)
+    outs = []
+    for index, device in enumerate(devices):
+      def shard_fn(x, index=index):
+        if tied:
+          kernel = ops.transpose(layer._embeddings.shards[index])  # pylint: disable=protected-access
+        else:
+          kernel = layer.reverse_embeddings.shards[index]
+        if layer.reverse_dtype is not None:
+          x = ops.cast(x, layer.reverse_dtype)
+          kernel = ops.cast(kernel, layer.reverse_dtype)
+        logits = ops.matmul(x, kernel)
+        if layer.logit_soft_cap is not None:
+          cap = layer.logit_soft_cap
+          logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+        return logits
+      outs.append(compute.on_device(device, shard_fn, xs[index]))
+    whole = comm.gather(outs, -1, devices, layer.name)
+    return _tag(whole, _SPLIT_ATTRIBUTE, outs, -1, devices)
   return call
 
 
@@ -244,7 +299,7 @@ def _attention(layout, group, sequence_parallel):
     copies = {}
     for tensor in (query, key, value):
       if id(tensor) not in copies:
-        copies[id(tensor)] = _spread(tensor, devices, name)
+        copies[id(tensor)] = spread(tensor, devices, name)
     inputs = [copies[id(query)], copies[id(key)], copies[id(value)]]
     if attention_mask is not None:
       inputs.append(comm.broadcast(attention_mask, devices, name))
@@ -253,15 +308,15 @@ def _attention(layout, group, sequence_parallel):
     for index, device in enumerate(devices):
       def shard_fn(q, k, v, mask=None, index=index):
         projected = {
-            role: _project(parts[role], x, index, parts[role].equation)
+            role: project(parts[role], x, index, parts[role].equation)
             for role, x in (("query", q), ("key", k), ("value", v))}
         output, attention_scores = layer._compute_attention(  # pylint: disable=protected-access
             projected["query"], projected["key"], projected["value"], mask,
             training, return_attention_scores, **extra)
         if "gate" in parts:
-          gate = _project(parts["gate"], q, index, parts["gate"].equation)
+          gate = project(parts["gate"], q, index, parts["gate"].equation)
           output = ops.multiply(output, parts["gate"].activation(gate))
-        output = _project(parts["output"], output, index,
+        output = project(parts["output"], output, index,
                           parts["output"].equation)
         if return_attention_scores:
           return output, attention_scores
@@ -273,7 +328,7 @@ def _attention(layout, group, sequence_parallel):
         scores.append(result[1])
       else:
         outs.append(result)
-    output = _combine(outs, devices, name, _finisher(parts["output"]),
+    output = combine(outs, devices, name, finisher(parts["output"]),
                       sequence_parallel)
     if query_mask is not None:
       backend.set_keras_mask(output, query_mask)
@@ -302,6 +357,10 @@ def install(layer_layout, group, sequence_parallel=False):
     sequence_parallel: leave [batch, sequence, ...] outputs of row-parallel
       layers split along the sequence (reduce-scatter instead of reduce).
   """
-  builder = _BUILDERS[(layer_layout.kind, type(layer_layout.style))]
+  if layer_layout.kind == layouts.HEADS:
+    from tfpar.tensor_parallel import heads  # pylint: disable=g-import-not-at-top
+    builder = heads.replay
+  else:
+    builder = _BUILDERS[(layer_layout.kind, type(layer_layout.style))]
   object.__setattr__(layer_layout.layer, "call",
                      builder(layer_layout, group, sequence_parallel))

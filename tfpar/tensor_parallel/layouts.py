@@ -10,6 +10,7 @@ DENSE = "Dense"
 EINSUM = "EinsumDense"
 EMBEDDING = "Embedding"
 ATTENTION = "MultiHeadAttention"
+HEADS = "AttentionHeads"  # A registered attention layer's own call, by heads.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class LayerLayout:
 
   Attributes:
     layer: the Keras layer.
-    kind: DENSE, EINSUM, EMBEDDING or ATTENTION.
+    kind: DENSE, EINSUM, EMBEDDING, ATTENTION or HEADS.
     style: the layer's style (for attention, ColumnParallel means split by
       heads: query/key/value column-, output row-parallel).
     variables: the `VariableLayout` of each of its variables, in the order

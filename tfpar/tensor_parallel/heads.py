@@ -1,0 +1,120 @@
+"""Attention split by heads for subclassed attention layers.
+
+keras-hub's attention layers (Llama, Mistral, Qwen, Gemma, GPT-2's cached
+attention...) each have their own `call`: rotary embeddings, grouped
+key/value heads, soft caps. Rather than re-implementing each, tfpar runs the
+layer's own `call` once per device of the tensor group, as Megatron runs a
+block on every rank: with the head counts set to the device's share, the
+query/key/value projections returning the device's heads and the output
+projection its partial sum, which the group then adds up (Megatron's
+row-parallel reduce). Which attributes hold the projections and the head
+counts comes from `families.py`.
+
+Key/value heads: with at least as many as the tensor size they are split
+with the query heads. With fewer (multi-query and grouped-query models,
+when tensor % key_value_heads == 0) the key/value kernels stay whole and
+each device computes the one key/value head its query heads share, as
+Megatron and vLLM replicate them; their gradient is the sum over devices.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfpar.tensor_parallel import compute
+from tfpar.tensor_parallel import families
+from tfpar.tensor_parallel import layers as layers_lib
+from tfpar.tensor_parallel import layouts
+
+
+def _head_slice(dense, x, head, equation):
+  """`dense` on `x` restricted to head `head` of its whole kernel."""
+  letter = layouts.einsum_split_letter(equation, layers_lib.styles.COLUMN)
+  _, kernel_letters, output = layouts.einsum_letters(equation)
+  axis = kernel_letters.index(letter)
+  kernel = tf.gather(dense.kernel, [head], axis=axis)
+  y = keras.ops.einsum(equation, x, kernel)
+  if dense.bias is not None:
+    bias = dense.bias
+    if letter in (dense.bias_axes or ""):
+      bias_axis = len(bias.shape) + output.index(letter) - len(output)
+      bias = tf.gather(bias, [head], axis=bias_axis)
+    y = keras.ops.add(y, bias)
+  return y
+
+
+def replay(layout, group, sequence_parallel):
+  """The tensor-parallel `call` of a registered attention layer."""
+  layer = layout.layer
+  family = families.family_of(layer)
+  parts = family.projections(layer)
+  original_call = type(layer).call.__get__(layer)
+  state = {"index": None, "tensor_size": None, "shared": None}
+
+  def projection_call(role, dense):
+    def call(inputs, training=None):
+      del training
+      index = state["index"]
+      if role == "output":
+        return layers_lib.project(dense, inputs, index, dense.equation)
+      if role != "query" and state["shared"]:
+        head = index // (state["tensor_size"] // state["shared"])
+        y = _head_slice(dense, inputs, head, dense.equation)
+      else:
+        y = layers_lib.project(dense, inputs, index, dense.equation)
+      return y if dense.activation is None else dense.activation(y)
+    return call
+
+  for role, dense in parts.items():
+    object.__setattr__(dense, "call", projection_call(role, dense))
+
+  def call(*args, **kwargs):
+    devices = group()
+    tensor_size = len(devices)
+    per_device = families.key_value_heads_per_device(layer, family, tensor_size)
+    _, key_value = family.head_counts(layer)
+    local = family.local_attributes(layer, tensor_size, per_device)
+    leaves = tf.nest.flatten((args, kwargs))
+    tensors = [x for x in leaves if tf.is_tensor(x)]
+    copies = {}
+    for x in tensors:
+      if id(x) not in copies:
+        copies[id(x)] = layers_lib.spread(x, devices, layer.name)
+    mask = keras.src.backend.get_keras_mask(args[0]) if args else None
+
+    partials = []
+    for index, device in enumerate(devices):
+      def shard_fn(*pieces, index=index):
+        it = iter(pieces)
+        new_args, new_kwargs = tf.nest.pack_sequence_as(
+            (args, kwargs),
+            [next(it) if tf.is_tensor(x) else x for x in leaves])
+        saved = {name: getattr(layer, name) for name in local}
+        state.update(index=index, tensor_size=tensor_size,
+                     shared=key_value if per_device == 1 and
+                     key_value < tensor_size else None)
+        try:
+          for name, value in local.items():
+            object.__setattr__(layer, name, value)
+          result = original_call(*new_args, **new_kwargs)
+        finally:
+          for name, value in saved.items():
+            object.__setattr__(layer, name, value)
+          state["index"] = None
+        if isinstance(result, (tuple, list)):
+          raise ValueError(
+              f"Layer {layer.name!r} ({type(layer).__name__}) returned "
+              f"{len(result)} values (a key/value cache or attention "
+              f"scores); tfpar's tensor-parallel attention computes the "
+              f"attention output only (training, evaluation, prediction "
+              f"without a cache).")
+        return result
+      partials.append(compute.on_device(
+          device, shard_fn, *[copies[id(x)][index] for x in tensors]))
+    output = layers_lib.combine(partials, devices, layer.name,
+                                layers_lib.finisher(parts["output"]),
+                                sequence_parallel)
+    if mask is not None:
+      keras.src.backend.set_keras_mask(output, mask)
+    return output
+
+  return call

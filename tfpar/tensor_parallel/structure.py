@@ -1,0 +1,115 @@
+"""Finding a model's MLPs by tracing it, in functional and subclassed code.
+
+A column-parallel projection pays off when its output reaches a
+row-parallel projection through elementwise ops only (Megatron's MLP):
+`Dense(gelu) -> Dense`, or a gated MLP written inline in a subclassed
+block, `down(silu(gate(x)) * up(x))`. Which projections those are is not
+visible from the layer objects of a subclassed model, so `mlp_styles`
+traces the model once (a throw-away `tf.function` trace, nothing runs),
+records each projection's input and output tensors, and looks for the
+elementwise regions (`regions.find`) between them.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import regions
+from tfpar.tensor_parallel import styles
+
+
+def _is_elementwise_activation(activation):
+  from tfpar.tensor_parallel import builtin  # pylint: disable=g-import-not-at-top
+  return builtin.is_elementwise(activation)
+
+
+def split_axis(layer, style):
+  """The (negative) activation axis a COLUMN split of `layer` leaves split
+  in its output, or a ROW split needs split in its input; None if none."""
+  if type(layer) is keras.layers.Dense:
+    return -1
+  letter = layouts.einsum_split_letter(layer.equation, style)
+  if letter is None:
+    return None
+  inputs, _, output = layouts.einsum_letters(layer.equation)
+  letters = output if isinstance(style, styles.ColumnParallel) else inputs
+  return letters.index(letter) - len(letters)
+
+
+def _input_specs(model):
+  try:
+    inputs = model.input
+  except (AttributeError, ValueError):
+    return None
+  return tf.nest.map_structure(
+      lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
+
+
+def _trace(model, candidates):
+  """{layer: (input tensor, output tensor)} from one symbolic call."""
+  specs = _input_specs(model)
+  if specs is None:
+    return {}
+  records = {}
+
+  def recording(layer, original):
+    def call(*args, **kwargs):
+      output = original(*args, **kwargs)
+      records[layer] = (args[0] if args else kwargs.get("inputs"), output)
+      return output
+    return call
+
+  patched = [layer for layer in candidates if "call" not in vars(layer)]
+  for layer in patched:
+    object.__setattr__(layer, "call", recording(layer, layer.call))
+  try:
+    tf.function(lambda x: model(x, training=False),
+                autograph=False).get_concrete_function(specs)
+  finally:
+    for layer in patched:
+      object.__delattr__(layer, "call")
+  return records
+
+
+def mlp_styles(model, candidates):
+  """{projection layer: COLUMN or ROW} for the model's MLPs.
+
+  Args:
+    model: a built Keras model with known inputs (functional, Sequential
+      or a keras-hub backbone); other models get no MLPs.
+    candidates: the Dense and EinsumDense layers that may be split.
+
+  Returns:
+    A dict; each ROW layer's input is computed, through elementwise ops
+    only, from the outputs of COLUMN layers (with elementwise activations)
+    split along the same axis.
+  """
+  records = _trace(model, candidates)
+  columns = {}
+  for layer, (_, output) in records.items():
+    axis = split_axis(layer, styles.COLUMN)
+    if (tf.is_tensor(output) and axis is not None and
+        _is_elementwise_activation(layer.activation)):
+      columns[regions.key(output)] = (layer, axis)
+  found = {}
+  for row in candidates:
+    if row not in records or row in found:
+      continue
+    axis = split_axis(row, styles.ROW)
+    if axis is None:
+      continue
+
+    def source_of(tensor, axis=axis, row=row):
+      layer, column_axis = columns.get(regions.key(tensor), (None, None))
+      if layer is None or layer is row or column_axis != axis or (
+          found.get(layer, styles.COLUMN) != styles.COLUMN):
+        return None
+      return layer
+
+    region = regions.find(records[row][0], source_of, axis)
+    if region is None:
+      continue
+    found[row] = styles.ROW
+    for layer in region.sources.values():
+      found[layer] = styles.COLUMN
+  return found
