@@ -4,6 +4,7 @@ import keras
 
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import regions
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 
@@ -17,10 +18,19 @@ _ELEMENTWISE = frozenset({
 
 
 def is_elementwise(activation):
-  """Whether a Keras activation acts on each feature alone."""
+  """Whether a Keras activation acts on each feature alone: a known Keras
+  activation, or a function (keras-hub's `gelu_approximate`) whose traced
+  graph holds elementwise ops only (`regions.py`)."""
   if activation is None:
     return True
-  return getattr(activation, "__name__", None) in _ELEMENTWISE
+  if getattr(activation, "__name__", None) in _ELEMENTWISE:
+    return True
+  if activation not in _TRACED:
+    _TRACED[activation] = regions.is_elementwise_function(activation)
+  return _TRACED[activation]
+
+
+_TRACED = {}
 
 
 def _is_attention(layer):

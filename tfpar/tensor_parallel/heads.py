@@ -26,18 +26,28 @@ from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import layouts
 
 
+def _take_head(variable, head, axis):
+  """Head `head` of `variable` along `axis`, kept as an axis of size 1.
+
+  A strided slice, not a gather: a gather along axis 0 would give the
+  variable a sparse gradient, which Adam updates differently."""
+  index = [slice(None)] * len(variable.shape)
+  index[axis] = slice(head, head + 1)
+  return tf.convert_to_tensor(variable)[tuple(index)]
+
+
 def _head_slice(dense, x, head, equation):
   """`dense` on `x` restricted to head `head` of its whole kernel."""
   letter = layouts.einsum_split_letter(equation, layers_lib.styles.COLUMN)
   _, kernel_letters, output = layouts.einsum_letters(equation)
   axis = kernel_letters.index(letter)
-  kernel = tf.gather(dense.kernel, [head], axis=axis)
+  kernel = _take_head(dense.kernel, head, axis)
   y = keras.ops.einsum(equation, x, kernel)
   if dense.bias is not None:
     bias = dense.bias
     if letter in (dense.bias_axes or ""):
       bias_axis = len(bias.shape) + output.index(letter) - len(output)
-      bias = tf.gather(bias, [head], axis=bias_axis)
+      bias = _take_head(bias, head, bias_axis)
     y = keras.ops.add(y, bias)
   return y
 

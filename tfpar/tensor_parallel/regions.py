@@ -159,5 +159,29 @@ def find(tensor, source_of, axis):
   return Region(tensor, sources, side, steps)
 
 
+def is_elementwise_function(function):
+  """Whether `function(x)` is computed from `x` by elementwise ops only.
+
+  Args:
+    function: a function of one float tensor, e.g. a Keras activation.
+
+  Returns:
+    True when tracing it on a [batch, 8] placeholder gives a `Region`.
+  """
+  found = []
+
+  def trace(x):
+    y = function(x)
+    found.append(find(y, lambda t: x if key(t) == key(x) else None, -1))
+    return y
+
+  try:
+    tf.function(trace, autograph=False).get_concrete_function(
+        tf.TensorSpec((None, 8), tf.float32))
+  except (TypeError, ValueError):
+    return False
+  return found[0] is not None
+
+
 class _NotARegion(Exception):
   """A split tensor meets something that is not elementwise along it."""
