@@ -1,5 +1,6 @@
 """The table `ShardingPlan.describe` prints."""
 
+from tfpar.tensor_parallel import coverage as coverage_lib
 from tfpar.tensor_parallel import styles
 
 
@@ -62,6 +63,7 @@ def describe(plan, model, strategy):
   lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
            for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
+  lines.append(coverage_lib.coverage(paths, layer_layouts).summary())
   if stage_of:
     lines.append(
         f"mesh: data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} "

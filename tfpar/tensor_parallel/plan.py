@@ -3,6 +3,7 @@
 import re
 
 from tfpar.tensor_parallel import builtin
+from tfpar.tensor_parallel import coverage as coverage_lib
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
 
@@ -13,10 +14,15 @@ class ShardingPlan:
 
   Every rule must match at least one variable and no variable may match two
   rules. Layers no rule touches get the built-in plan (when `builtin=True`):
-  `MultiHeadAttention` split by heads, `Embedding` split on the vocabulary,
-  a standalone `EinsumDense` column-parallel, and a `Dense` with an
-  elementwise activation feeding only another `Dense` (an MLP pair) split
-  column- then row-parallel. Other layers are replicated.
+  attention split by heads (`keras.layers.MultiHeadAttention` and the
+  keras-hub families GPT-2, BERT, Llama, Mistral, Qwen2 and Gemma, with
+  grouped key/value heads split or shared), embedding tables split on the
+  vocabulary, MLPs (projections whose outputs reach another projection
+  through elementwise ops only, gated MLPs included, found by tracing the
+  model) split column- then row-parallel, other `EinsumDense` layers
+  column-parallel. Other layers are replicated, and a replicated weight
+  larger than every split one is an error unless a `tfpar.Replicate()` rule
+  names it.
 
   Args:
     rules: sequence of `(regex, style)` pairs; style is a
@@ -114,13 +120,19 @@ class ShardingPlan:
     user = self._user_styles(model)
     resolved = builtin.resolve_layers(model, user, tensor_size,
                                       use_builtin=self._builtin)
+    if self._builtin:
+      coverage_lib.check_large_replicated(
+          model, coverage_lib.coverage(
+              ((v.path, v.shape) for v in model.weights), resolved), user)
     claimed = {v.path for layout in resolved for v in layout.variables}
     for path, (style, source) in user.items():
       if path not in claimed and not isinstance(style, styles.Replicate):
         raise ValueError(
             f"{source} gives {path!r} the style {style}, but its layer is "
             f"not a Dense, EinsumDense, Embedding or MultiHeadAttention "
-            f"layer tfpar can shard. Only tfpar.Replicate() applies to it.")
+            f"layer (or keras-hub attention) tfpar can shard (it belongs to "
+            f"{_owner_class(model, path)}). Only "
+            f"tfpar.Replicate() applies to it.")
     return tuple(layout for layout in resolved if layout.is_sharded)
 
   def describe(self, model, strategy=None, print_fn=print):
@@ -157,6 +169,15 @@ class ShardingPlan:
   def __repr__(self):
     rules = ", ".join(f"({p!r}, {s})" for p, s in self.rules)
     return f"ShardingPlan([{rules}], builtin={self._builtin})"
+
+
+def _owner_class(model, path):
+  """'layer name (class)' of the layer that owns the variable at `path`."""
+  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+    if any(v.path == path for v in layer._trainable_variables +  # pylint: disable=protected-access
+           layer._non_trainable_variables):  # pylint: disable=protected-access
+      return f"layer {layer.name!r} ({type(layer).__name__})"
+  return "an unknown layer"
 
 
 def as_plan(plan):

@@ -37,10 +37,14 @@ def split_axis(layer, style):
 
 
 def _input_specs(model):
+  """TensorSpecs in the structure `model` is called with, or None."""
   try:
     inputs = model.input
-  except (AttributeError, ValueError):
-    return None
+  except (AttributeError, ValueError):  # A Sequential model: its inputs.
+    inputs = getattr(model, "inputs", None)
+    if not inputs:
+      return None
+    inputs = inputs[0] if len(inputs) == 1 else inputs
   return tf.nest.map_structure(
       lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
 

@@ -1,0 +1,80 @@
+"""How much of a model a sharding plan splits, and refusing to replicate the
+model's largest weights silently."""
+
+import dataclasses
+
+import numpy as np
+
+from tfpar.tensor_parallel import styles
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+  """Parameters split over the tensor axis and kept whole.
+
+  Attributes:
+    split: {path: elements} of the weights split over the tensor axis.
+    replicated: {path: elements} of the weights every replica holds whole.
+  """
+  split: dict
+  replicated: dict
+
+  @property
+  def fraction_split(self):
+    """The fraction of all parameters (elements) that is split."""
+    total = sum(self.split.values()) + sum(self.replicated.values())
+    return sum(self.split.values()) / total if total else 0.0
+
+  def summary(self):
+    """Two lines: the fraction split, then what stays replicated."""
+    split = sum(self.split.values())
+    total = split + sum(self.replicated.values())
+    kept = sorted(self.replicated.items(), key=lambda item: -item[1])
+    return (f"split over the tensor axis: {self.fraction_split:.1%} of the "
+            f"parameters ({split:,} of {total:,})\n"
+            f"replicated ({len(kept)}): " +
+            (", ".join(f"{path} ({count:,})" for path, count in kept)
+             or "nothing"))
+
+
+def coverage(weights, layer_layouts):
+  """The `Coverage` of a model under resolved `layer_layouts`.
+
+  Args:
+    weights: (path, full shape) of every logical weight of the model.
+    layer_layouts: the `LayerLayout`s the plan resolved.
+  """
+  split_paths = {v.path for layout in layer_layouts for v in layout.variables
+                 if v.axis is not None}
+  split, replicated = {}, {}
+  for path, shape in weights:
+    (split if path in split_paths else replicated)[path] = int(
+        np.prod(shape))
+  return Coverage(split, replicated)
+
+
+def check_large_replicated(model, found, user):
+  """Raises if a weight larger than every split weight stays replicated
+  without a `tfpar.Replicate()` rule for it.
+
+  Args:
+    model: the model.
+    found: its `Coverage`.
+    user: {path: (style, source)} of the plan's rules.
+
+  Raises:
+    ValueError: naming the weight and the rule that accepts it.
+  """
+  largest_split = max(found.split.values(), default=0)
+  for path, count in sorted(found.replicated.items(), key=lambda i: -i[1]):
+    if count <= largest_split:
+      break
+    if path in user and isinstance(user[path][0], styles.Replicate):
+      continue
+    raise ValueError(
+        f"Weight {path!r} of model {model.name!r} ({count:,} parameters) "
+        f"would stay replicated on every device although it is larger than "
+        f"every weight the plan splits ({largest_split:,}): tfpar has no "
+        f"built-in plan for its layer. Split it with a rule, or accept the "
+        f"replication with tfpar.ShardingPlan([({path!r}, "
+        f"tfpar.Replicate())]).")
