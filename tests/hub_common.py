@@ -2,6 +2,7 @@
 shared by the keras-hub tests (random init, nothing downloaded)."""
 
 import collections
+import functools
 
 import keras
 import keras_hub
@@ -85,17 +86,23 @@ def train(family, optimizer_name, strategy=None):
   return model, np.array(losses)
 
 
+@functools.lru_cache(maxsize=None)
+def reference(family, optimizer_name):
+  """`train(family, optimizer_name)` on one device, computed once."""
+  return train(family, optimizer_name)
+
+
 def bytes_by_device(model, prefix=""):
-  """{device: bytes} of the model's variables (every shard and replica)
-  whose path starts with `prefix`, counted from the variables themselves."""
+  """{device: bytes} of the model's variables (every shard, replica and
+  ZeRO slice) whose path starts with `prefix`, counted from the per-device
+  tf.Variables that hold them."""
   found = collections.Counter()
   for variable in model.weights:
     if not variable.path.startswith(prefix):
       continue
-    value = getattr(variable, "value", variable)
-    components = getattr(value, "values", (value,))
-    size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
-    for component in components:
+    value = variable._value  # pylint: disable=protected-access
+    for component in getattr(value, "values", (value,)):
+      size = int(np.prod(component.shape)) * component.dtype.size
       found[tf.DeviceSpec.from_string(component.device).to_string()] += size
   return found
 

@@ -2,8 +2,6 @@
 device: GPT-2, BERT, Llama, Mistral, Qwen2 and Gemma (multi-query), each
 under data 2 x tensor 2 and tensor 4, with Adam and SGD with momentum."""
 
-import functools
-
 import numpy as np
 import pytest
 
@@ -24,15 +22,10 @@ CASES = [(family, layout, optimizer)
               ("tensor4", "adam"), ("tensor4", "sgd")))]
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(family, optimizer):
-  return hub_common.train(family, optimizer)
-
-
 @pytest.mark.parametrize("family,layout,optimizer", CASES)
 def test_family_trains_like_one_device_with_blocks_split(family, layout,
                                                          optimizer):
-  reference, reference_losses = _reference(family, optimizer)
+  reference, reference_losses = hub_common.reference(family, optimizer)
   strategy = tfpar.TensorParallelStrategy(tfpar.Mesh(LAYOUTS[layout]))
   model, losses = hub_common.train(family, optimizer, strategy)
 

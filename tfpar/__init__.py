@@ -24,6 +24,7 @@ _EXPORTS = {
     "PipelineParallelStrategy": "tfpar.pipeline",
     "PipelineTrace": "tfpar.pipeline",
     "configure_virtual_cpus": "tfpar.local_devices",
+    "from_keras_distribution": "tfpar.keras_distribution",
     "from_recipe": "tfpar.recipes",
     "ColumnParallel": "tfpar.tensor_parallel",
     "CommunicationLog": "tfpar.tensor_parallel",
@@ -58,7 +59,9 @@ def __dir__():
 
 
 # tfpar.ZeRO must shard an optimizer before `fit` builds it, so `fit` must be
-# hooked before user code looks it up. Without importing Keras here (the
+# hooked before user code looks it up (and keras.distribution, a no-op on
+# TensorFlow, made to say so).
+# Without importing Keras here (the
 # `tfpar` command starts without TensorFlow): hook now if Keras is loaded,
 # else when a tfpar strategy or `tfpar.ZeRO` is first used.
 if "keras" in sys.modules:

@@ -47,9 +47,13 @@ def install_model_registration():
 
 
 def install_fit_preparation():
-  """Patches `TensorFlowTrainer.fit` to call `prepare_fit` on callbacks."""
+  """Patches `TensorFlowTrainer.fit` to call `prepare_fit` on callbacks,
+  and makes `keras.distribution.set_distribution` refuse to do nothing on
+  TensorFlow (`keras_distribution.install_refusal`)."""
   if "fit" in _installed:
     return
+  from tfpar import keras_distribution  # pylint: disable=g-import-not-at-top
+  keras_distribution.install_refusal()
   original = tf_trainer.TensorFlowTrainer.fit
 
   @functools.wraps(original)

@@ -115,6 +115,11 @@ def family_of(layer):
   return None
 
 
+# In the source of key/value kernels kept whole because there are fewer
+# key/value heads than devices in the tensor group.
+SHARED_KEY_VALUE = "key/value head(s) shared"
+
+
 def key_value_heads_per_device(layer, family, tensor_size):
   """Key/value heads each device computes (1 when they are replicated).
 
@@ -160,7 +165,7 @@ def resolved_variables(layer, family, tensor_size, source, project_layout):
   for role, dense in parts.items():
     if role in ("key", "value") and shared:
       found.extend(replicated_layout(
-          v, f"built-in: {key_value} key/value head(s) shared by "
+          v, f"built-in: {key_value} {SHARED_KEY_VALUE} by "
              f"{tensor_size // key_value} devices each")
                    for v in dense.weights)
       continue

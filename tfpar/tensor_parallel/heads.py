@@ -26,6 +26,25 @@ from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import layouts
 
 
+def _index_of_current_device(devices):
+  """The position in `devices` of the device ops are placed on now.
+
+  A projection split by heads learns its shard from the replay of its
+  attention layer; when ZeRO-3 runs it again to recompute its backward
+  pass, the replay is over, but the backward pass of shard k is placed on
+  device k (`compute.on_device`)."""
+  current = tf.DeviceSpec.from_string(tf.constant(0.0).device)
+  for index, device in enumerate(devices):
+    spec = tf.DeviceSpec.from_string(device)
+    if (spec.device_type, spec.device_index, spec.task) == (
+        current.device_type, current.device_index, current.task):
+      return index
+  raise ValueError(
+      f"A projection split by heads ran outside its attention layer, on "
+      f"{current.to_string() or 'no device'}, which is not one of its "
+      f"tensor group's devices {list(devices)}.")
+
+
 def _take_head(variable, head, axis):
   """Head `head` of `variable` along `axis`, kept as an axis of size 1.
 
@@ -64,6 +83,8 @@ def replay(layout, group, sequence_parallel):
     def call(inputs, training=None):
       del training
       index = state["index"]
+      if index is None:  # Run again in the backward pass (ZeRO-3).
+        index = _index_of_current_device(group())
       if role == "output":
         return layers_lib.project(dense, inputs, index, dense.equation)
       if role != "query" and state["shared"]:

@@ -196,7 +196,11 @@ def _row(layout, group, sequence_parallel):
     devices = group()
     xs = _parts(inputs, _SPLIT_ATTRIBUTE, axis, devices)
     if xs is None:
-      xs = _region_parts(inputs, axis, devices)
+      # Not when ZeRO-3 wrapped this call to run it again in the backward
+      # pass: the region's split tensors lie outside what it runs again,
+      # so their gradients would be lost.
+      xs = (_region_parts(inputs, axis, devices)
+            if vars(layer).get("call") is call else None)
     if xs is None:
       xs = comm.scatter(inputs, axis, devices, layer.name)
     partial = [
