@@ -53,7 +53,7 @@ def coverage(weights, layer_layouts):
   return Coverage(split, replicated)
 
 
-def check_large_replicated(model, found, user):
+def check_large_replicated(model, found, user, owner):
   """Raises if a weight larger than every split weight stays replicated
   without a `tfpar.Replicate()` rule for it.
 
@@ -61,6 +61,7 @@ def check_large_replicated(model, found, user):
     model: the model.
     found: its `Coverage`.
     user: {path: (style, source)} of the plan's rules.
+    owner: `owner(path)` names the layer that holds the weight.
 
   Raises:
     ValueError: naming the weight and the rule that accepts it.
@@ -75,6 +76,7 @@ def check_large_replicated(model, found, user):
         f"Weight {path!r} of model {model.name!r} ({count:,} parameters) "
         f"would stay replicated on every device although it is larger than "
         f"every weight the plan splits ({largest_split:,}): tfpar has no "
-        f"built-in plan for its layer. Split it with a rule, or accept the "
+        f"built-in plan for {owner(path)}. Split it with a rule, or accept "
+        f"the "
         f"replication with tfpar.ShardingPlan([({path!r}, "
         f"tfpar.Replicate())]).")

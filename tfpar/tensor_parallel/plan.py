@@ -120,10 +120,6 @@ class ShardingPlan:
     user = self._user_styles(model)
     resolved = builtin.resolve_layers(model, user, tensor_size,
                                       use_builtin=self._builtin)
-    if self._builtin:
-      coverage_lib.check_large_replicated(
-          model, coverage_lib.coverage(
-              ((v.path, v.shape) for v in model.weights), resolved), user)
     claimed = {v.path for layout in resolved for v in layout.variables}
     for path, (style, source) in user.items():
       if path not in claimed and not isinstance(style, styles.Replicate):
@@ -133,6 +129,11 @@ class ShardingPlan:
             f"layer (or keras-hub attention) tfpar can shard (it belongs to "
             f"{_owner_class(model, path)}). Only "
             f"tfpar.Replicate() applies to it.")
+    if self._builtin:
+      coverage_lib.check_large_replicated(
+          model, coverage_lib.coverage(
+              ((v.path, v.shape) for v in model.weights), resolved), user,
+          lambda path: _owner_class(model, path))
     return tuple(layout for layout in resolved if layout.is_sharded)
 
   def describe(self, model, strategy=None, print_fn=print):
