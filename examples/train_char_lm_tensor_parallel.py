@@ -25,8 +25,6 @@ Your own text, or with the network a TFDS text dataset:
   python examples/train_char_lm_tensor_parallel.py --dataset=tiny_shakespeare
 """
 
-import importlib
-import inspect
 import os
 
 from absl import app
@@ -36,6 +34,9 @@ import numpy as np
 import tensorflow as tf
 
 import tfpar
+from text_data import CharVocabulary
+from text_data import load_text
+from text_data import next_char_dataset
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("devices", 4, "Virtual CPUs on a CPU-only host when not "
@@ -55,75 +56,6 @@ flags.DEFINE_string("text_file", None, "Train on this text file instead of "
                     "the built-in standard-library docstrings.")
 flags.DEFINE_string("dataset", None, "Train on this TFDS text dataset "
                     "(e.g. tiny_shakespeare; needs the network) instead.")
-
-# Pure-Python standard-library modules whose docstrings make the default
-# corpus: about 70 KB of English, the same on every machine with the same
-# Python version, and no download.
-STDLIB_MODULES = ("textwrap", "json", "collections", "functools", "argparse",
-                  "random", "statistics", "heapq", "shutil", "subprocess")
-
-
-def stdlib_docstrings(modules=STDLIB_MODULES):
-  """The docstrings of `modules` and of their public functions and classes."""
-  docs = []
-  for name in modules:
-    module = importlib.import_module(name)
-    docs.append(inspect.getdoc(module) or "")
-    for attribute, value in sorted(vars(module).items()):
-      if attribute.startswith("_") or getattr(
-          value, "__module__", None) != module.__name__:
-        continue
-      doc = inspect.getdoc(value)
-      if doc:
-        docs.append(doc)
-  return "\n\n".join(docs)
-
-
-def tfds_text(name):
-  """The train split of a TFDS text dataset (one `text` feature) as one
-  string."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  pieces = tfds.as_numpy(tfds.load(name, split="train"))
-  return "\n".join(example["text"].decode("utf-8") for example in pieces)
-
-
-def load_text():
-  if FLAGS.text_file and FLAGS.dataset:
-    raise app.UsageError("Pass at most one of --text_file and --dataset.")
-  if FLAGS.text_file:
-    with open(FLAGS.text_file, encoding="utf-8") as f:
-      return f.read()
-  if FLAGS.dataset:
-    return tfds_text(FLAGS.dataset)
-  return stdlib_docstrings()
-
-
-class CharVocabulary:
-  """Characters <-> ids; the size is padded to a multiple of `multiple` so
-  the embedding and the head split evenly over the tensor axis."""
-
-  def __init__(self, text, multiple):
-    self.chars = sorted(set(text))
-    self.size = -(-len(self.chars) // multiple) * multiple
-    self._ids = {c: i for i, c in enumerate(self.chars)}
-
-  def encode(self, text):
-    return np.array([self._ids[c] for c in text], dtype="int32")
-
-  def decode(self, ids):
-    return "".join(self.chars[i] if i < len(self.chars) else "?" for i in ids)
-
-
-def next_char_dataset(ids, sequence, batch_size, seed=0):
-  """Endless shuffled batches of (chars, the chars one position later),
-  from windows starting every `sequence // 2` characters."""
-  starts = np.arange(0, len(ids) - sequence - 1, max(1, sequence // 2))
-  windows = ids[starts[:, None] + np.arange(sequence + 1)]
-  dataset = tf.data.Dataset.from_tensor_slices(
-      (windows[:, :-1], windows[:, 1:]))
-  return dataset.shuffle(len(windows), seed=seed).repeat().batch(
-      batch_size, drop_remainder=True).prefetch(2)
-
 
 def gpt(vocab, sequence, width, heads, blocks):
   """A small GPT from stock Keras layers."""
@@ -178,7 +110,7 @@ def main(argv):
   if chief:
     print(mesh)
 
-  text = load_text()
+  text = load_text(FLAGS.text_file, FLAGS.dataset)
   vocabulary = CharVocabulary(text, FLAGS.tensor)
   ids = vocabulary.encode(text)
   dataset = next_char_dataset(ids, FLAGS.sequence, FLAGS.batch_size)
