@@ -43,17 +43,19 @@ def test_family_trains_like_one_device_with_blocks_split(family, layout,
   # counted from the variables' own devices.
   tensor = LAYOUTS[layout]["tensor"]
   group = strategy.mesh.replicas[0]
+  fractions = []
   for prefix in hub_common.block_prefixes(reference):
     whole = sum(hub_common.bytes_by_device(reference, prefix).values())
     held = hub_common.bytes_by_device(model, prefix)
     for device in group[1:]:
       fraction_split = tensor * held[device] / whole
       assert fraction_split >= 0.9, (prefix, device, fraction_split)
+      fractions.append(fraction_split)
     assert held[group[0]] <= whole * (0.9 / tensor + 0.1), prefix
   largest = max(hub_common.bytes_by_device(model).values())
   total = sum(hub_common.bytes_by_device(reference).values())
-  print(f"{family} {layout} {optimizer}: max weight diff {worst:.1e}, "
-        f"largest device {largest} of {total} bytes")
+  print(f"| {family} | {layout} | {optimizer} | {worst:.1e} | "
+        f"{min(fractions):.1%} | {largest:,} / {total:,} |")
 
 
 def test_describe_reports_coverage_of_a_keras_hub_model():

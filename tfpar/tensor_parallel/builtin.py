@@ -8,36 +8,13 @@ from tfpar.tensor_parallel import regions
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 
-# Activations that act on each feature alone, so a column-split output can
-# be activated shard by shard.
-_ELEMENTWISE = frozenset({
-    "linear", "relu", "relu6", "gelu", "silu", "swish", "tanh", "sigmoid",
-    "elu", "selu", "softplus", "softsign", "leaky_relu", "mish", "exponential",
-    "hard_sigmoid", "hard_silu", "hard_swish", "celu",
-})
-
-
-def is_elementwise(activation):
-  """Whether a Keras activation acts on each feature alone: a known Keras
-  activation, or a function (keras-hub's `gelu_approximate`) whose traced
-  graph holds elementwise ops only (`regions.py`)."""
-  if activation is None:
-    return True
-  if getattr(activation, "__name__", None) in _ELEMENTWISE:
-    return True
-  if activation not in _TRACED:
-    _TRACED[activation] = regions.is_elementwise_function(activation)
-  return _TRACED[activation]
-
-
-_TRACED = {}
 
 
 def _is_attention(layer):
   return type(layer) is keras.layers.MultiHeadAttention
 
 
-def _attention_parts(layer):
+def attention_parts(layer):
   """{role: EinsumDense} of a built MultiHeadAttention."""
   parts = {"query": layer._query_dense, "key": layer._key_dense,  # pylint: disable=protected-access
            "value": layer._value_dense, "output": layer._output_dense}  # pylint: disable=protected-access
@@ -136,7 +113,7 @@ def _resolve_attention(layer, family, user, tensor_size, use_builtin):
   own call (family None), a registered family with its own call replayed
   per device (`heads.py`)."""
   parts = (family.projections(layer) if family is not None
-           else _attention_parts(layer))
+           else attention_parts(layer))
   kind = layouts.ATTENTION if family is None else layouts.HEADS
   expected = {}
   for role, dense in parts.items():

@@ -1,4 +1,7 @@
-"""Attention split by heads for subclassed attention layers.
+"""Attention split by heads.
+
+`keras.layers.MultiHeadAttention` runs tfpar's own head-split copy of its
+call (`multi_head_attention`).
 
 keras-hub's attention layers (Llama, Mistral, Qwen, Gemma, GPT-2's cached
 attention...) each have their own `call`: rotary embeddings, grouped
@@ -20,10 +23,13 @@ Megatron and vLLM replicate them; their gradient is the sum over devices.
 import keras
 import tensorflow as tf
 
+from tfpar.tensor_parallel import builtin
+from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import styles
 
 
 def _index_of_current_device(devices):
@@ -57,7 +63,7 @@ def _take_head(variable, head, axis):
 
 def _head_slice(dense, x, head, equation):
   """`dense` on `x` restricted to head `head` of its whole kernel."""
-  letter = layouts.einsum_split_letter(equation, layers_lib.styles.COLUMN)
+  letter = layouts.einsum_split_letter(equation, styles.COLUMN)
   _, kernel_letters, output = layouts.einsum_letters(equation)
   axis = kernel_letters.index(letter)
   kernel = _take_head(dense.kernel, head, axis)
@@ -148,4 +154,78 @@ def replay(layout, group, sequence_parallel):
       keras.src.backend.set_keras_mask(output, mask)
     return output
 
+  return call
+
+
+def multi_head_attention(layout, group, sequence_parallel):
+  """The tensor-parallel `call` of a `keras.layers.MultiHeadAttention`."""
+  # Mirrors keras.layers.MultiHeadAttention.call, with the projections and
+  # the attention of each head shard on its own device.
+  layer = layout.layer
+  parts = builtin.attention_parts(layer)  # pylint: disable=protected-access
+  backend = keras.src.backend
+
+  def call(query, value, key=None, query_mask=None, value_mask=None,
+           key_mask=None, attention_mask=None, return_attention_scores=False,
+           training=None, use_causal_mask=False):
+    if key is None:
+      key = value
+    query_mask = backend.get_keras_mask(query)
+    for tensor in (query, value, key):
+      backend.set_keras_mask(tensor, None)
+    causal_only = (
+        use_causal_mask and query_mask is None and value_mask is None and
+        key_mask is None and attention_mask is None and
+        layer._sliding_window is None and  # pylint: disable=protected-access
+        type(layer)._compute_attention is  # pylint: disable=protected-access
+        keras.layers.MultiHeadAttention._compute_attention)  # pylint: disable=protected-access
+    if causal_only:
+      attention_mask = None
+    else:
+      attention_mask = layer._compute_attention_mask(  # pylint: disable=protected-access
+          query, value, query_mask=query_mask, value_mask=value_mask,
+          key_mask=key_mask, attention_mask=attention_mask,
+          use_causal_mask=use_causal_mask)
+    extra = {"use_causal_mask": True} if causal_only else {}
+    devices = group()
+    name = layer.name
+    copies = {}
+    for tensor in (query, key, value):
+      if id(tensor) not in copies:
+        copies[id(tensor)] = layers_lib.spread(tensor, devices, name)
+    inputs = [copies[id(query)], copies[id(key)], copies[id(value)]]
+    if attention_mask is not None:
+      inputs.append(comm.broadcast(attention_mask, devices, name))
+
+    outs, scores = [], []
+    for index, device in enumerate(devices):
+      def shard_fn(q, k, v, mask=None, index=index):
+        projected = {
+            role: layers_lib.project(parts[role], x, index, parts[role].equation)
+            for role, x in (("query", q), ("key", k), ("value", v))}
+        output, attention_scores = layer._compute_attention(  # pylint: disable=protected-access
+            projected["query"], projected["key"], projected["value"], mask,
+            training, return_attention_scores, **extra)
+        if "gate" in parts:
+          gate = layers_lib.project(parts["gate"], q, index, parts["gate"].equation)
+          output = ops.multiply(output, parts["gate"].activation(gate))
+        output = layers_lib.project(parts["output"], output, index,
+                          parts["output"].equation)
+        if return_attention_scores:
+          return output, attention_scores
+        return output
+      result = compute.on_device(device, shard_fn,
+                                 *[x[index] for x in inputs])
+      if return_attention_scores:
+        outs.append(result[0])
+        scores.append(result[1])
+      else:
+        outs.append(result)
+    output = layers_lib.combine(outs, devices, name, layers_lib.finisher(parts["output"]),
+                      sequence_parallel)
+    if query_mask is not None:
+      backend.set_keras_mask(output, query_mask)
+    if return_attention_scores:
+      return output, comm.gather(scores, 1, devices, name)
+    return output
   return call

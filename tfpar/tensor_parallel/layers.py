@@ -15,7 +15,6 @@ from keras import ops
 from keras.src.backend.common import tensor_attributes
 import tensorflow as tf
 
-from tfpar.tensor_parallel import builtin
 from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import layouts
@@ -143,7 +142,7 @@ def _column(layout, group, sequence_parallel):
   layer = layout.layer
   equation = getattr(layer, "equation", None)
   axis = _split_axis(layout, output=True)
-  elementwise = builtin.is_elementwise(layer.activation) and not (
+  elementwise = regions.is_elementwise(layer.activation) and not (
       layer.bias is not None and
       not isinstance(layer.bias, variables_lib.ShardedWeight))
 
@@ -269,86 +268,12 @@ def _reverse(layer, group):
   return call
 
 
-def _attention(layout, group, sequence_parallel):
-  # Mirrors keras.layers.MultiHeadAttention.call, with the projections and
-  # the attention of each head shard on its own device.
-  layer = layout.layer
-  parts = builtin._attention_parts(layer)  # pylint: disable=protected-access
-  backend = keras.src.backend
-
-  def call(query, value, key=None, query_mask=None, value_mask=None,
-           key_mask=None, attention_mask=None, return_attention_scores=False,
-           training=None, use_causal_mask=False):
-    if key is None:
-      key = value
-    query_mask = backend.get_keras_mask(query)
-    for tensor in (query, value, key):
-      backend.set_keras_mask(tensor, None)
-    causal_only = (
-        use_causal_mask and query_mask is None and value_mask is None and
-        key_mask is None and attention_mask is None and
-        layer._sliding_window is None and  # pylint: disable=protected-access
-        type(layer)._compute_attention is  # pylint: disable=protected-access
-        keras.layers.MultiHeadAttention._compute_attention)  # pylint: disable=protected-access
-    if causal_only:
-      attention_mask = None
-    else:
-      attention_mask = layer._compute_attention_mask(  # pylint: disable=protected-access
-          query, value, query_mask=query_mask, value_mask=value_mask,
-          key_mask=key_mask, attention_mask=attention_mask,
-          use_causal_mask=use_causal_mask)
-    extra = {"use_causal_mask": True} if causal_only else {}
-    devices = group()
-    name = layer.name
-    copies = {}
-    for tensor in (query, key, value):
-      if id(tensor) not in copies:
-        copies[id(tensor)] = spread(tensor, devices, name)
-    inputs = [copies[id(query)], copies[id(key)], copies[id(value)]]
-    if attention_mask is not None:
-      inputs.append(comm.broadcast(attention_mask, devices, name))
-
-    outs, scores = [], []
-    for index, device in enumerate(devices):
-      def shard_fn(q, k, v, mask=None, index=index):
-        projected = {
-            role: project(parts[role], x, index, parts[role].equation)
-            for role, x in (("query", q), ("key", k), ("value", v))}
-        output, attention_scores = layer._compute_attention(  # pylint: disable=protected-access
-            projected["query"], projected["key"], projected["value"], mask,
-            training, return_attention_scores, **extra)
-        if "gate" in parts:
-          gate = project(parts["gate"], q, index, parts["gate"].equation)
-          output = ops.multiply(output, parts["gate"].activation(gate))
-        output = project(parts["output"], output, index,
-                          parts["output"].equation)
-        if return_attention_scores:
-          return output, attention_scores
-        return output
-      result = compute.on_device(device, shard_fn,
-                                 *[x[index] for x in inputs])
-      if return_attention_scores:
-        outs.append(result[0])
-        scores.append(result[1])
-      else:
-        outs.append(result)
-    output = combine(outs, devices, name, finisher(parts["output"]),
-                      sequence_parallel)
-    if query_mask is not None:
-      backend.set_keras_mask(output, query_mask)
-    if return_attention_scores:
-      return output, comm.gather(scores, 1, devices, name)
-    return output
-  return call
-
-
 _BUILDERS = {
     (layouts.DENSE, styles.ColumnParallel): _column,
     (layouts.DENSE, styles.RowParallel): _row,
     (layouts.EINSUM, styles.ColumnParallel): _column,
     (layouts.EINSUM, styles.RowParallel): _row,
     (layouts.EMBEDDING, styles.VocabParallel): _vocab,
-    (layouts.ATTENTION, styles.ColumnParallel): _attention,
 }
 
 
@@ -361,9 +286,10 @@ def install(layer_layout, group, sequence_parallel=False):
     sequence_parallel: leave [batch, sequence, ...] outputs of row-parallel
       layers split along the sequence (reduce-scatter instead of reduce).
   """
-  if layer_layout.kind == layouts.HEADS:
+  if layer_layout.kind in (layouts.ATTENTION, layouts.HEADS):
     from tfpar.tensor_parallel import heads  # pylint: disable=g-import-not-at-top
-    builder = heads.replay
+    builder = (heads.multi_head_attention
+               if layer_layout.kind == layouts.ATTENTION else heads.replay)
   else:
     builder = _BUILDERS[(layer_layout.kind, type(layer_layout.style))]
   object.__setattr__(layer_layout.layer, "call",

@@ -183,5 +183,30 @@ def is_elementwise_function(function):
   return found[0] is not None
 
 
+# Activations that act on each feature alone, so a column-split output can
+# be activated shard by shard.
+_ELEMENTWISE_ACTIVATIONS = frozenset({
+    "linear", "relu", "relu6", "gelu", "silu", "swish", "tanh", "sigmoid",
+    "elu", "selu", "softplus", "softsign", "leaky_relu", "mish", "exponential",
+    "hard_sigmoid", "hard_silu", "hard_swish", "celu",
+})
+
+
+def is_elementwise(activation):
+  """Whether a Keras activation acts on each feature alone: a known Keras
+  activation, or a function (keras-hub's `gelu_approximate`) whose traced
+  graph holds elementwise ops only (`regions.py`)."""
+  if activation is None:
+    return True
+  if getattr(activation, "__name__", None) in _ELEMENTWISE_ACTIVATIONS:
+    return True
+  if activation not in _TRACED_ACTIVATIONS:
+    _TRACED_ACTIVATIONS[activation] = is_elementwise_function(activation)
+  return _TRACED_ACTIVATIONS[activation]
+
+
+_TRACED_ACTIVATIONS = {}
+
+
 class _NotARegion(Exception):
   """A split tensor meets something that is not elementwise along it."""

@@ -18,11 +18,6 @@ from tfpar.tensor_parallel import regions
 from tfpar.tensor_parallel import styles
 
 
-def _is_elementwise_activation(activation):
-  from tfpar.tensor_parallel import builtin  # pylint: disable=g-import-not-at-top
-  return builtin.is_elementwise(activation)
-
-
 def split_axis(layer, style):
   """The (negative) activation axis a COLUMN split of `layer` leaves split
   in its output, or a ROW split needs split in its input; None if none."""
@@ -93,7 +88,7 @@ def mlp_styles(model, candidates):
   for layer, (_, output) in records.items():
     axis = split_axis(layer, styles.COLUMN)
     if (tf.is_tensor(output) and axis is not None and
-        _is_elementwise_activation(layer.activation)):
+        regions.is_elementwise(layer.activation)):
       columns[regions.key(output)] = (layer, axis)
   found = {}
   for row in candidates:
