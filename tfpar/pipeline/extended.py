@@ -23,6 +23,7 @@ from tfpar.pipeline import stages as stages_lib
 from tfpar.pipeline import steps as steps_lib
 from tfpar.tensor_parallel import extended as tensor_parallel_extended
 from tfpar.tensor_parallel import optimizer as tensor_parallel_optimizer
+from tfpar.tensor_parallel import whole_weights
 
 
 class PipelineParallelExtended(engine_extended.MeshExtended):
@@ -114,6 +115,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
                  if stage_of.get(id(l.layer)) == stage.index],
           self.tensor_size, first_column=stage.index * self.tensor_size)
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
+    whole_weights.install(model)
     if getattr(model, "optimizer", None) is not None:
       tensor_parallel_optimizer.adopt(model.optimizer, model)
 

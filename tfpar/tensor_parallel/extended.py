@@ -21,6 +21,7 @@ from tfpar.tensor_parallel import optimizer as optimizer_lib
 from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel import sequence as sequence_lib
 from tfpar.tensor_parallel import variables as variables_lib
+from tfpar.tensor_parallel import whole_weights
 
 
 class TensorParallelExtended(engine_extended.MeshExtended):
@@ -73,6 +74,7 @@ class TensorParallelExtended(engine_extended.MeshExtended):
         if getattr(layer, "_tfpar_layer_layout", None) is not None)
     if already:  # Its layers belong to a model sharded before (Sequential).
       object.__setattr__(model, "_tfpar_layouts", already)
+      whole_weights.install(model)
       return
     layer_layouts = plan_lib.as_plan(self._plan).resolve(
         model, self.tensor_size)
@@ -81,6 +83,7 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     if self._sequence_parallel:
       sequence_lib.install(model, self.current_group)
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
+    whole_weights.install(model)
     if optimizer is not None and optimizer.built:
       # Built for the unsharded weights (e.g. by keras.models.load_model):
       # move its state to a twin built for the shards.
