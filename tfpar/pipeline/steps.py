@@ -139,8 +139,12 @@ class PipelinedSteps:
     """One pipelined training step (replaces `model.train_step`)."""
     model = self._model
     x, y, sample_weight, n, weights, xs, ys, sws = self._split(data)
-    factor = model.optimizer.loss_scale_factor if model.optimizer else None
-    scale = 1.0 if factor is None else float(factor)
+    # What Keras's own train_step multiplies the loss by: a
+    # LossScaleOptimizer's current dynamic scale, a base optimizer's
+    # constant `loss_scale_factor`, or 1. The optimizer unscales the
+    # gradients (and skips a step whose gradients overflowed).
+    scale = (model.optimizer.scale_loss(tf.constant(1.0))
+             if model.optimizer else tf.constant(1.0))
     outputs, loss, gradients = self._runner().train(
         xs, self._loss_fn(ys, sws, weights, scale),
         self._extra_loss_fn(weights, scale))
