@@ -1,5 +1,7 @@
-"""Mixed precision under the pipeline: the loss is scaled by the
-LossScaleOptimizer's dynamic scale, as Keras's own train_step does."""
+"""Mixed precision: the pipeline scales the loss by the LossScaleOptimizer's
+dynamic scale, as Keras's own train_step does; ZeRO-3 gathers weights in the
+compute dtype. Each against one device, within the spread of stock
+MirroredStrategy vs one device measured side by side."""
 
 import keras
 import numpy as np
@@ -30,7 +32,11 @@ def _chain():
   return model
 
 
-def _train(strategy):
+def _two_cpus():
+  return tfpar.Mesh().devices[:2]
+
+
+def _train(strategy, callbacks=None):
   with strategy.scope() if strategy else tf.init_scope():
     model = _chain()
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -38,10 +44,10 @@ def _train(strategy):
   x = rng.normal(size=(96, 8)).astype("float32")
   y = np.stack([np.sin(x[:, 0]), x[:, 1] * x[:, 2], x[:, 3]], 1)
   history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False,
-                      verbose=0)
-  assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+                      verbose=0, callbacks=callbacks)
+  scale = getattr(model.optimizer, "dynamic_scale", None)  # mixed_float16
   return (np.array(history.history["loss"]), model.get_weights(),
-          float(model.optimizer.dynamic_scale.numpy()))
+          None if scale is None else float(scale.numpy()))
 
 
 def _difference(result, reference):
@@ -62,4 +68,40 @@ def test_mixed_float16_pipeline_within_the_spread_of_mirrored(mixed_float16):
   # weights); scaling by the constant loss_scale_factor instead gave 0.16.
   assert loss <= 2 * spread_loss + 1e-5, (loss, spread_loss)
   assert weights <= 2 * spread_weights + 1e-5, (weights, spread_weights)
+  assert pipeline[2] is not None  # Keras compiled a LossScaleOptimizer.
   assert pipeline[2] == reference[2] == mirrored[2]
+
+
+def test_zero3_gathers_bfloat16_and_trains_like_mirrored():
+  keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:
+    reference = _train(None)
+    mirrored = _train(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
+                                                     devices=_two_cpus()))
+    with tfpar.CommunicationLog() as log:
+      zero = _train(strategy, callbacks=[tfpar.ZeRO(stage=3)])
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  spread_loss, spread_weights = _difference(mirrored, reference)
+  loss, weights = _difference(zero, reference)
+  assert loss <= 2 * spread_loss + 1e-5, (loss, spread_loss)
+  assert weights <= 2 * spread_weights + 1e-5, (weights, spread_weights)
+  # Each replica sends its half of every weight once per forward pass, in
+  # its layer's compute dtype: 2 bytes per element, 4 for the float32 head.
+  sent = sum(r.bytes for r in log.step_records()
+             if r.kind == "all-gather" and r.phase == "forward")
+  expected = sum(-(-int(np.prod(w.shape)) // 2) *
+                 (4 if layer.name == "head" else 2)
+                 for layer in _chain().layers for w in layer.weights)
+  assert sent == expected, (sent, expected)
+  print(f"bfloat16 ZeRO-3: loss {loss:.1e} weights {weights:.1e}; "
+        f"mirrored {spread_loss:.1e} / {spread_weights:.1e}")
+
+
+def test_zero_refuses_a_loss_scale_optimizer_before_training(mixed_float16):
+  del mixed_float16
+  strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
+                                                   devices=_two_cpus()))
+  with pytest.raises(ValueError, match="does not shard a LossScaleOptimizer"):
+    _train(strategy, callbacks=[tfpar.ZeRO(stage=2)])

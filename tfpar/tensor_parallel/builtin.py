@@ -196,10 +196,10 @@ def _resolve_embedding(layer, user, tensor_size, use_builtin):
   table = layer.embeddings
   if table.path in user:
     style, source = user[table.path]
-  elif use_builtin and layer.input_dim % tensor_size:
+  elif use_builtin and layer.input_dim < tensor_size:
+    # Fewer rows than devices (BERT's 2 segment types): nothing to split.
     style, source = styles.REPLICATE, (
-        f"built-in: vocabulary {layer.input_dim} not divisible by tensor "
-        f"{tensor_size}")
+        f"built-in: {layer.input_dim} rows, fewer than tensor {tensor_size}")
   elif use_builtin:
     style, source = styles.VOCAB, "built-in: embedding split on vocabulary"
   else:

@@ -10,6 +10,7 @@ the whole weight.
 
 import threading
 
+from keras.src.backend.common import variables as keras_variables
 import numpy as np
 import tensorflow as tf
 
@@ -37,7 +38,7 @@ class GatheredWeight:
 
   def _tfpar_gathered(self):
     if not _in_replica():
-      return self._tfpar_whole_tensor()
+      return self._maybe_autocast(self._tfpar_whole_tensor())  # pylint: disable=protected-access
     count = tf.distribute.get_replica_context().num_replicas_in_sync
     length = slices.components(self)[0].shape[0] * count
     shape, elements, path = self.shape, self.shape.num_elements(), self.path
@@ -46,12 +47,22 @@ class GatheredWeight:
     @tf.custom_gradient
     def gather(piece):
       phase = getattr(_phase, "current", instrument.FORWARD)
-      whole = collectives.all_gather(piece, phase, path, column)
+      # Under a mixed precision policy, in the layer's compute dtype, as a
+      # Keras variable reads inside a layer: half the bytes of float32
+      # (DeepSpeed gathers fp16 parameters the same way).
+      low = self._maybe_autocast(piece)  # pylint: disable=protected-access
+      if low.dtype == tf.bfloat16:
+        # CPU collectives take no bfloat16: move its bits as float16.
+        whole = tf.bitcast(collectives.all_gather(
+            tf.bitcast(low, tf.float16), phase, path, column), tf.bfloat16)
+      else:
+        whole = collectives.all_gather(low, phase, path, column)
 
       def grad(upstream):
+        # The gradient is reduced in the weight's own dtype (float32).
         return collectives.reduce_scatter(
-            slices.padded_flat(upstream, length), instrument.BACKWARD, path,
-            column)
+            slices.padded_flat(tf.cast(upstream, piece.dtype), length),
+            instrument.BACKWARD, path, column)
       return tf.reshape(whole[:elements], shape), grad
     return gather(tf.convert_to_tensor(self._value))
 
@@ -117,13 +128,18 @@ def _recomputed(call):
     if not _in_replica():
       return call(*args, **kwargs)
     runs = []
+    # The backward pass runs `call` again after Keras left the layer's
+    # autocast scope (mixed precision): enter the same scope again.
+    autocast = keras_variables.get_autocast_scope()
+    autocast_dtype = autocast.dtype if autocast is not None else None
 
     def run(*inputs):
       runs.append(None)
       previous = getattr(_phase, "current", instrument.FORWARD)
       _phase.current = instrument.BACKWARD if len(runs) > 1 else previous
       try:
-        return call(*inputs, **kwargs)
+        with keras_variables.AutocastScope(autocast_dtype):
+          return call(*inputs, **kwargs)
       finally:
         _phase.current = previous
     return tf.recompute_grad(run)(*args)
