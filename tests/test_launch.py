@@ -124,6 +124,9 @@ def test_worker_servers_are_not_reachable_from_outside(tmp_path):
     (["--devices-per-worker", "-2", "x.py"],
      "--devices-per-worker must be a positive integer"),
     (["--timeout", "0", "x.py"], "--timeout must be positive"),
+    (["--host", "127.0.0.1:99", "x.py"],
+     "--host takes an address without a port"),
+    (["/no/such/train.py"], "the script '/no/such/train.py' does not exist"),
 ])
 def test_bad_arguments_are_reported(args, message, capsys):
   with pytest.raises(SystemExit) as exit_info:

@@ -5,6 +5,7 @@ Each subcommand is added by one `_add_<command>(commands)` call in
 """
 
 import argparse
+import os
 import sys
 
 from tfpar import launch as launch_lib
@@ -72,6 +73,9 @@ def _run_launch(parser, args):
         recipe=args.recipe)
   except ValueError as e:
     parser.error(str(e))
+  if not args.module and not os.path.isfile(args.script):
+    parser.error(f"the script {args.script!r} does not exist (checked "
+                 f"before starting any worker).")
   return launch_lib.launch(config)
 
 

@@ -76,6 +76,11 @@ class LaunchConfig:
       if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"--{name.replace('_', '-')} must be a positive "
                          f"integer. Received: {value!r}")
+    if self.host.count(":") == 1 or not self.host.strip():
+      raise ValueError(
+          f"--host takes an address without a port (tfpar launch picks "
+          f"free ports itself), e.g. 127.0.0.1 or ::1. Received: "
+          f"{self.host!r}")
     if self.timeout is not None and self.timeout <= 0:
       raise ValueError(
           f"--timeout must be positive seconds. Received: {self.timeout!r}")
