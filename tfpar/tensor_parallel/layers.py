@@ -127,21 +127,11 @@ def finisher(layer):
   return finish
 
 
-def _split_axis(layout, output):
-  """The (negative) axis of the output (column) or input (row) activation
-  that the layer's split kernel axis corresponds to."""
-  if layout.kind == layouts.DENSE:
-    return -1
-  inputs, _, outputs = layouts.einsum_letters(layout.layer.equation)
-  letters = outputs if output else inputs
-  return letters.index(layout.letter) - len(letters)
-
-
 def _column(layout, group, sequence_parallel):
   del sequence_parallel  # Its input arrives whole or is all-gathered.
   layer = layout.layer
   equation = getattr(layer, "equation", None)
-  axis = _split_axis(layout, output=True)
+  axis = layouts.activation_split_axis(layer, styles.COLUMN)
   elementwise = regions.is_elementwise(layer.activation) and not (
       layer.bias is not None and
       not isinstance(layer.bias, variables_lib.ShardedWeight))
@@ -188,7 +178,7 @@ def _region_parts(inputs, axis, devices):
 def _row(layout, group, sequence_parallel):
   layer = layout.layer
   equation = getattr(layer, "equation", None)
-  axis = _split_axis(layout, output=False)
+  axis = layouts.activation_split_axis(layer, styles.ROW)
 
   def call(inputs, training=None):
     del training

@@ -83,3 +83,17 @@ def einsum_split_letter(equation, style):
     elif letter in inputs and letter not in output:
       return letter
   return None
+
+
+def activation_split_axis(layer, style):
+  """The (negative) activation axis a COLUMN split of a Dense or EinsumDense
+  `layer` leaves split in its output, or a ROW split needs split in its
+  input; None if its equation has no such axis."""
+  if not hasattr(layer, "equation"):  # Dense: the features, last.
+    return -1
+  letter = einsum_split_letter(layer.equation, style)
+  if letter is None:
+    return None
+  inputs, _, output = einsum_letters(layer.equation)
+  letters = output if isinstance(style, styles.ColumnParallel) else inputs
+  return letters.index(letter) - len(letters)

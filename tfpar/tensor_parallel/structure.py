@@ -10,25 +10,11 @@ records each projection's input and output tensors, and looks for the
 elementwise regions (`regions.find`) between them.
 """
 
-import keras
 import tensorflow as tf
 
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import regions
 from tfpar.tensor_parallel import styles
-
-
-def split_axis(layer, style):
-  """The (negative) activation axis a COLUMN split of `layer` leaves split
-  in its output, or a ROW split needs split in its input; None if none."""
-  if type(layer) is keras.layers.Dense:
-    return -1
-  letter = layouts.einsum_split_letter(layer.equation, style)
-  if letter is None:
-    return None
-  inputs, _, output = layouts.einsum_letters(layer.equation)
-  letters = output if isinstance(style, styles.ColumnParallel) else inputs
-  return letters.index(letter) - len(letters)
 
 
 def _input_specs(model):
@@ -86,7 +72,7 @@ def mlp_styles(model, candidates):
   records = _trace(model, candidates)
   columns = {}
   for layer, (_, output) in records.items():
-    axis = split_axis(layer, styles.COLUMN)
+    axis = layouts.activation_split_axis(layer, styles.COLUMN)
     if (tf.is_tensor(output) and axis is not None and
         regions.is_elementwise(layer.activation)):
       columns[regions.key(output)] = (layer, axis)
@@ -94,7 +80,7 @@ def mlp_styles(model, candidates):
   for row in candidates:
     if row not in records or row in found:
       continue
-    axis = split_axis(row, styles.ROW)
+    axis = layouts.activation_split_axis(row, styles.ROW)
     if axis is None:
       continue
 
