@@ -3,7 +3,9 @@
 Starts one process per worker with a correct `TF_CONFIG` on free ports of
 the loopback interface, streams their output with a `[worker i]` prefix,
 stops every worker as soon as one fails (and exits with its code), forwards
-Ctrl-C, and stops everything after a timeout. With `--recipe NAME` the
+Ctrl-C, SIGTERM and SIGHUP, and stops everything after a timeout. Workers
+never outlive the launcher, even when it is killed with SIGKILL (see
+`tfpar.lifetime` and `tfpar.netns`). With `--recipe NAME` the
 workers' `tfpar.from_recipe()` builds that recipe's strategy.
 """
 
@@ -13,11 +15,11 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 
+from tfpar import lifetime
 from tfpar import netns
 from tfpar.recipes import files as recipe_files
 
@@ -130,7 +132,8 @@ def launch(config, out=None):
 
   Returns:
     0 when every worker succeeded; the first failing worker's exit code;
-    124 after a timeout; 130 after Ctrl-C.
+    124 after a timeout; 128 + the signal's number after SIGINT (130),
+    SIGTERM (143) or SIGHUP (129). Every worker has stopped when it returns.
 
   Example:
 
@@ -142,10 +145,15 @@ def launch(config, out=None):
   out = out or sys.stdout
   if config.isolate_network:
     if netns.isolation_available():
-      inner = dataclasses.replace(config, isolate_network=False)
+      # The timeout is kept here, outside: the launcher inside stops on
+      # SIGTERM.
+      inner = dataclasses.replace(config, isolate_network=False, timeout=None)
       command = netns.UNSHARE + (sys.executable, "-m", "tfpar.launch",
                                  json.dumps(dataclasses.asdict(inner)))
-      return _run([command], [dict(os.environ)], [""], config.timeout, out)
+      # The launcher inside stops its workers within _GRACE_SECONDS; after
+      # that, killing `unshare` kills the whole namespace.
+      return _run([command], [dict(os.environ)], [""], config.timeout, out,
+                  grace=_GRACE_SECONDS + 2)
     out.write("tfpar launch: cannot make a private network namespace here; "
               "TensorFlow's worker servers will listen on all interfaces.\n")
   envs = []
@@ -162,44 +170,36 @@ def launch(config, out=None):
               config.timeout, out)
 
 
-def _run(commands, envs, prefixes, timeout, out):
+def _run(commands, envs, prefixes, timeout, out, grace=_GRACE_SECONDS):
   """Runs the processes to the end; returns the launcher's exit code."""
   lock = threading.Lock()
-  processes, pumps = [], []
-  for command, env, prefix in zip(commands, envs, prefixes):
-    process = subprocess.Popen(
-        list(command), env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True)
-    processes.append(process)
-    pump = threading.Thread(target=_pump, daemon=True,
-                            args=(process.stdout, prefix, out, lock))
-    pump.start()
-    pumps.append(pump)
-
   deadline = None if timeout is None else time.monotonic() + timeout
-  on_main_thread = threading.current_thread() is threading.main_thread()
-  previous_sigint = signal.getsignal(signal.SIGINT)
-  interrupted = threading.Event()
-  if on_main_thread:
-    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
-  try:
-    code = _supervise(processes, deadline, interrupted, out, lock)
-  finally:
-    _stop_all(processes,
-              signal.SIGINT if interrupted.is_set() else signal.SIGTERM)
-    if on_main_thread:
-      signal.signal(signal.SIGINT, previous_sigint)
+  with lifetime.StopSignals() as stop:
+    processes = []
+    try:
+      # Every process first, then the output threads: no thread runs while
+      # `spawn` forks.
+      for command, env in zip(commands, envs):
+        processes.append(lifetime.spawn(command, env))
+      pumps = [threading.Thread(target=_pump, daemon=True,
+                                args=(process.stdout, prefix, out, lock))
+               for process, prefix in zip(processes, prefixes)]
+      for pump in pumps:
+        pump.start()
+      code = _supervise(processes, deadline, stop, out, lock)
+    finally:
+      lifetime.stop_all(processes, stop.received or signal.SIGTERM, grace)
     for pump in pumps:
       pump.join(timeout=_GRACE_SECONDS)
   return code
 
 
-def _supervise(processes, deadline, interrupted, out, lock):
+def _supervise(processes, deadline, stop, out, lock):
   while True:
-    if interrupted.is_set():
-      _say(out, lock, "tfpar launch: interrupted; stopping workers")
-      return EXIT_INTERRUPTED
+    if stop.received is not None:
+      name = signal.Signals(stop.received).name
+      _say(out, lock, f"tfpar launch: got {name}; stopping workers")
+      return 128 + stop.received  # 130 for SIGINT, 143 for SIGTERM.
     codes = [p.poll() for p in processes]
     for index, code in enumerate(codes):
       if code not in (None, 0):
@@ -212,27 +212,7 @@ def _supervise(processes, deadline, interrupted, out, lock):
     if deadline is not None and time.monotonic() > deadline:
       _say(out, lock, "tfpar launch: timed out; stopping workers")
       return EXIT_TIMEOUT
-    time.sleep(0.05)
-
-
-def _stop_all(processes, first_signal):
-  for process in processes:
-    _signal_group(process, first_signal)
-  deadline = time.monotonic() + _GRACE_SECONDS
-  for process in processes:
-    try:
-      process.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      pass
-  for process in processes:
-    _signal_group(process, signal.SIGKILL)
-    process.wait()
-
-
-def _signal_group(process, sig):
-  # Each worker leads its own process group, so its children stop too.
-  with contextlib.suppress(ProcessLookupError, PermissionError):
-    os.killpg(process.pid, sig)
+    stop.wait(0.05)
 
 
 def _pump(stream, prefix, out, lock):

@@ -5,6 +5,11 @@ whatever address `TF_CONFIG` gives. To keep a local job reachable from this
 machine only, `tfpar launch` runs its workers in a new Linux network
 namespace (made with `unshare --net --map-root-user`, no privileges needed)
 whose only interface is loopback.
+
+The namespace is also a PID namespace (`--pid --fork --kill-child`): the
+launcher inside is its first process, and when that process ends, however
+it ends, the kernel kills every process left in the namespace; `unshare`
+kills it when `unshare` itself dies. So no worker outlives the job.
 """
 
 import fcntl
@@ -14,7 +19,8 @@ import socket
 import struct
 import subprocess
 
-UNSHARE = ("unshare", "--net", "--map-root-user")
+UNSHARE = ("unshare", "--net", "--map-root-user", "--pid", "--fork",
+           "--kill-child")
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
 
