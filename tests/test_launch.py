@@ -127,6 +127,14 @@ def test_worker_servers_are_not_reachable_from_outside(tmp_path):
     (["--host", "127.0.0.1:99", "x.py"],
      "--host takes an address without a port"),
     (["/no/such/train.py"], "the script '/no/such/train.py' does not exist"),
+    (["-m", "no_such_module_x.train"],
+     "the module 'no_such_module_x.train' (--module) is not importable"),
+    (["--host", "no-such-host.invalid", "x.py"],
+     "--host must be an IP address or a host name that resolves"),
+    (["--host", "192.0.2.1", "--no-isolate-network", "x.py"],
+     "--host must be an address of this machine"),
+    (["--timeout", "nan", "x.py"], "--timeout must be positive seconds. "
+     "Received: nan"),
 ])
 def test_bad_arguments_are_reported(args, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
@@ -143,3 +151,11 @@ def test_tf_configs_and_free_ports():
   assert len(set(ports)) == 4
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", ports[0]))
+
+
+def test_isolated_network_needs_a_loopback_host():
+  with pytest.raises(ValueError, match=r"isolated network has loopback only.*"
+                     r"Received: '0.0.0.0'"):
+    launch_lib.LaunchConfig(("x.py",), host="0.0.0.0", isolate_network=True)
+  config = launch_lib.LaunchConfig(("x.py",), host="0.0.0.0")
+  assert not config.isolate_network

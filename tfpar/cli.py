@@ -5,6 +5,7 @@ Each subcommand is added by one `_add_<command>(commands)` call in
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -76,7 +77,20 @@ def _run_launch(parser, args):
   if not args.module and not os.path.isfile(args.script):
     parser.error(f"the script {args.script!r} does not exist (checked "
                  f"before starting any worker).")
+  if args.module and not _module_exists(args.script):
+    parser.error(f"the module {args.script!r} (--module) is not importable "
+                 f"here (checked before starting any worker).")
   return launch_lib.launch(config)
+
+
+def _module_exists(name):
+  # Only the top-level package is looked up: finding a submodule would
+  # import its parents (perhaps TensorFlow) in the launcher.
+  top = name.partition(".")[0]
+  try:
+    return bool(top) and importlib.util.find_spec(top) is not None
+  except (ImportError, ValueError):
+    return False
 
 
 def main(argv=None):

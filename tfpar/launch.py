@@ -12,6 +12,7 @@ workers' `tfpar.from_recipe()` builds that recipe's strategy.
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import socket
@@ -70,7 +71,7 @@ class LaunchConfig:
   def __post_init__(self):
     if self.isolate_network is None:
       object.__setattr__(self, "isolate_network",
-                         self.host in ("127.0.0.1", "localhost", "::1"))
+                         self.host in _LOOPBACK)
     if not self.command:
       raise ValueError("tfpar launch needs a script to run. Received: none.")
     for name in ("workers", "devices_per_worker"):
@@ -83,7 +84,8 @@ class LaunchConfig:
           f"--host takes an address without a port (tfpar launch picks "
           f"free ports itself), e.g. 127.0.0.1 or ::1. Received: "
           f"{self.host!r}")
-    if self.timeout is not None and self.timeout <= 0:
+    _check_host(self.host, self.isolate_network)
+    if self.timeout is not None and not 0 < self.timeout < math.inf:
       raise ValueError(
           f"--timeout must be positive seconds. Received: {self.timeout!r}")
     if self.recipe is not None:
@@ -92,6 +94,30 @@ class LaunchConfig:
       except ValueError as e:
         raise ValueError(f"--recipe {self.recipe!r}: {e}") from None
       object.__setattr__(self, "recipe", recipe.path)
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _check_host(host, isolate_network):
+  """Refuses a --host the workers could not listen on or reach."""
+  try:
+    family, _, _, _, address = socket.getaddrinfo(
+        host, None, type=socket.SOCK_STREAM)[0]
+  except (socket.gaierror, UnicodeError) as e:
+    raise ValueError(f"--host must be an IP address or a host name that "
+                     f"resolves ({e}). Received: {host!r}") from None
+  with socket.socket(family, socket.SOCK_STREAM) as sock:
+    try:
+      sock.bind((address[0], 0))
+    except OSError as e:
+      raise ValueError(f"--host must be an address of this machine, where "
+                       f"the workers listen ({e.strerror}). Received: "
+                       f"{host!r}") from None
+  if isolate_network and host not in _LOOPBACK:
+    raise ValueError(f"An isolated network has loopback only, so --host "
+                     f"must be one of {list(_LOOPBACK)} (or pass "
+                     f"--no-isolate-network). Received: {host!r}")
 
 
 def free_ports(count, host="127.0.0.1"):
