@@ -1,6 +1,7 @@
 """TF_CONFIG and cluster validation: every rule is a ValueError naming it."""
 
 import json
+import socket
 
 import pytest
 
@@ -61,3 +62,23 @@ def test_bad_tf_config_fails_before_any_work(monkeypatch):
 def test_ipv6_and_hostnames_are_valid_addresses():
   cluster = {"worker": ["[::1]:2222", "node-7.example:2223"]}
   assert cluster_lib.validate_cluster_spec(cluster, "worker", 1) == cluster
+
+
+def test_own_port_in_use_is_a_value_error_before_tf_starts_a_server(
+    monkeypatch):
+  """Was: UnknownError "Could not start gRPC server", naming no port."""
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    monkeypatch.setenv("TF_CONFIG", _config(
+        cluster={"worker": [f"127.0.0.1:{port}", "127.0.0.1:2223"]}))
+    message = (rf"Port {port} of worker:0 \(address 127.0.0.1:{port}\) is "
+               r"already in use on this machine")
+    with pytest.raises(ValueError, match=message):
+      tfpar.Mesh.from_cluster_resolver()
+    with pytest.raises(ValueError, match=message):
+      tfpar.DataParallelStrategy()
+  # Free again: the same cluster now makes a mesh.
+  assert tfpar.Mesh.from_cluster_resolver().size == 2 * len(
+      tfpar.Mesh().devices)

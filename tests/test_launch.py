@@ -12,6 +12,7 @@ import pytest
 
 from tfpar import cli
 from tfpar import launch as launch_lib
+from tfpar import ports as ports_lib
 
 
 def _run_cli(*args, timeout=60):
@@ -149,6 +150,11 @@ def test_tf_configs_and_free_ports():
                         "task": {"type": "worker", "index": 1}}
   ports = launch_lib.free_ports(4)
   assert len(set(ports)) == 4
+  # Below the range the kernel takes outgoing connections' ports from, so a
+  # worker's connection cannot take a peer's port before it listens.
+  first, _ = ports_lib.ephemeral_range()
+  if first > 20000:
+    assert all(20000 <= port < first for port in ports), (ports, first)
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", ports[0]))
 

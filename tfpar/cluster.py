@@ -15,8 +15,10 @@ import os
 import re
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from tfpar import local_devices
+from tfpar import ports
 
 TF_CONFIG_ENV = "TF_CONFIG"
 COMPUTE_JOBS = ("chief", "worker")
@@ -241,10 +243,20 @@ def layout_from_resolver(resolver=None):
         f"This process is task '{task_type}:{task_id}', but tfpar meshes are "
         f"made of 'chief' and 'worker' tasks only; run tfpar strategies on "
         f"those tasks.")
+  if not _server_started():
+    ports.check_port_free(cluster[task_type][task_id], f"{task_type}:{task_id}")
   tasks = tuple((job, index) for job in COMPUTE_JOBS
                 for index in range(len(cluster.get(job, ()))))
   return ClusterLayout(cluster, task_type, task_id, tasks, device_type,
                        devices_per_task, rpc_layer)
+
+
+def _server_started():
+  # Set by the first MultiWorkerMirroredStrategy of this process, whose
+  # server then holds the port; later strategies reuse that server.
+  ctx = context.context()
+  return bool(getattr(ctx, "_collective_ops_server_def", None) or
+              getattr(ctx, "_server_def", None))
 
 
 def _resolver_device_count(resolver):

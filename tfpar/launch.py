@@ -22,6 +22,7 @@ import time
 
 from tfpar import lifetime
 from tfpar import netns
+from tfpar.ports import free_ports  # pylint: disable=unused-import
 from tfpar.recipes import files as recipe_files
 
 # Read by tfpar.local_devices in each worker (kept here so that the launcher
@@ -118,19 +119,6 @@ def _check_host(host, isolate_network):
     raise ValueError(f"An isolated network has loopback only, so --host "
                      f"must be one of {list(_LOOPBACK)} (or pass "
                      f"--no-isolate-network). Received: {host!r}")
-
-
-def free_ports(count, host="127.0.0.1"):
-  """Returns `count` distinct ports that are free on `host` right now."""
-  with contextlib.ExitStack() as stack:
-    ports = []
-    for _ in range(count):
-      sock = stack.enter_context(socket.socket(
-          socket.AF_INET6 if ":" in host else socket.AF_INET,
-          socket.SOCK_STREAM))
-      sock.bind((host, 0))
-      ports.append(sock.getsockname()[1])
-    return ports
 
 
 def tf_configs(workers, host="127.0.0.1", ports=None):
