@@ -14,7 +14,9 @@
 * Batch size checks: `fit`, `evaluate` and `predict` call
   `strategy.extended.check_batch_size(batch_size)` when the model's
   strategy has it, before any work (a pipeline needs batches that split
-  into micro-batches). Arrays without `batch_size` get Keras's 32.
+  into micro-batches; data replicas need equal shares, `tfpar.batches`).
+  Arrays without `batch_size` get Keras's 32; a `tf.data` pipeline is
+  checked with its own batch size.
 
 The patches are installed once per process and are idempotent.
 """
@@ -23,6 +25,8 @@ import functools
 import inspect
 
 from keras.src.backend.tensorflow import trainer as tf_trainer
+
+from tfpar import batches
 
 _installed = set()
 
@@ -91,10 +95,13 @@ def _wrap_with_batch_size_check(name):
                     "check_batch_size", None)
     if check is not None:
       bound = signature.bind_partial(self, *args, **kwargs).arguments
-      batch_size = bound.get("batch_size")
+      batch_size, what = bound.get("batch_size"), "batch_size"
       if batch_size is None and _is_array_like(bound.get("x")):
         batch_size = _KERAS_DEFAULT_BATCH_SIZE
-      check(batch_size)
+      if batch_size is None:  # A tf.data pipeline names its own.
+        batch_size = batches.dataset_batch_size(bound.get("x"))
+        what = "the dataset's batch size"
+      check(batch_size, what)
     return original(self, *args, **kwargs)
 
   setattr(tf_trainer.TensorFlowTrainer, name, method)

@@ -25,6 +25,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.util import nest
 
+from tfpar import batches
 from tfpar import keras_hooks
 
 # Each strategy instance needs its own collective keys (two instances that
@@ -76,6 +77,7 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
     self._preparing = threading.local()
     self._column = threading.local()
     keras_hooks.install_model_registration()
+    keras_hooks.install_batch_size_checks()
     self._local_groups = tuple(
         group for group in mesh.replicas if mesh.is_local(group[0]))
     options = (communication_options or
@@ -233,6 +235,11 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
     """Whether `prepare_model` has adapted a built model."""
     del model
     return True
+
+  def check_batch_size(self, batch_size, what="batch_size"):
+    """Raises unless `batch_size` splits evenly over the data replicas
+    (`fit`, `evaluate` and `predict` call it first; `tfpar.batches`)."""
+    batches.check_even_split(batch_size, self._mesh.num_replicas, what)
 
   def check_models_prepared(self):
     """Raises if a model of this strategy got built while it ran, after it
