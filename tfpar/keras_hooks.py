@@ -17,6 +17,10 @@
   into micro-batches; data replicas need equal shares, `tfpar.batches`).
   Arrays without `batch_size` get Keras's 32; a `tf.data` pipeline is
   checked with its own batch size.
+* Gradient accumulation: an optimizer with `gradient_accumulation_steps`
+  applies its gradients inside `strategy.extended.without_merge_call()`
+  when the current strategy has it (Keras's accumulation runs inside a
+  `tf.cond`, where `merge_call` is refused; `tfpar.engine.merge_free`).
 
 The patches are installed once per process and are idempotent.
 """
@@ -24,6 +28,8 @@ The patches are installed once per process and are idempotent.
 import functools
 import inspect
 
+import tensorflow as tf
+from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from tfpar import batches
@@ -112,3 +118,36 @@ def _is_array_like(x):
       isinstance(x, (list, tuple, dict)) and x and all(
           hasattr(v, "shape") for v in (x.values() if isinstance(x, dict)
                                         else x)))
+
+
+def install_accumulation_without_merge_call():
+  """Patches the TensorFlow optimizer's `_backend_apply_gradients` to run
+  in the strategy's no-`merge_call` mode when it accumulates gradients."""
+  if "accumulation" in _installed:
+    return
+  cls = tf_optimizer.TFOptimizer
+  original = getattr(cls, "_backend_apply_gradients", None)
+  if original is None or "gradient_accumulation_steps" not in inspect.getsource(
+      original):
+    raise ImportError(
+        f"tfpar needs Keras's TFOptimizer._backend_apply_gradients to apply "
+        f"gradient_accumulation_steps (keras {_keras_version()}): this Keras "
+        f"moved it, and accumulation under a strategy would fail.")
+
+  @functools.wraps(original)
+  def _backend_apply_gradients(self, grads, trainable_variables):
+    scope = getattr(tf.distribute.get_strategy().extended,
+                    "without_merge_call", None)
+    if not self.gradient_accumulation_steps or scope is None or (
+        tf.distribute.in_cross_replica_context()):
+      return original(self, grads, trainable_variables)
+    with scope():
+      return original(self, grads, trainable_variables)
+
+  cls._backend_apply_gradients = _backend_apply_gradients
+  _installed.add("accumulation")
+
+
+def _keras_version():
+  import keras  # pylint: disable=g-import-not-at-top
+  return keras.__version__

@@ -27,6 +27,7 @@ from tensorflow.python.util import nest
 
 from tfpar import batches
 from tfpar import keras_hooks
+from tfpar.engine import merge_free
 
 # Each strategy instance needs its own collective keys (two instances that
 # share a key base fail with "Shape mismatch in the collective instance").
@@ -55,7 +56,8 @@ class DeviceSet:
     self._devices = tuple(devices)
 
 
-class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
+class MeshExtended(merge_free.MergeFreeUpdates,
+                   collective_all_reduce_strategy.CollectiveAllReduceExtended):
   """Strategy engine over a `tfpar.Mesh`: replicas are device groups.
 
   Args:
@@ -78,6 +80,8 @@ class MeshExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
     self._column = threading.local()
     keras_hooks.install_model_registration()
     keras_hooks.install_batch_size_checks()
+    keras_hooks.install_accumulation_without_merge_call()
+    self._init_merge_free()
     self._local_groups = tuple(
         group for group in mesh.replicas if mesh.is_local(group[0]))
     options = (communication_options or

@@ -1,0 +1,71 @@
+"""Optimizer updates without `merge_call`, so they can run inside `tf.cond`.
+
+Keras applies `gradient_accumulation_steps` inside a `tf.cond` (accumulate,
+or update and reset), and its TensorFlow optimizer reaches the strategy
+through `merge_call`, which TF refuses inside a cond ("`merge_call` called
+while defining a new graph or a tf.function"; keras-team/keras#17429,
+tensorflow/tensorflow#59487: stock MirroredStrategy fails the same way).
+
+TF's collective strategies have a designed mode without `merge_call` (used
+for XLA on GPUs): a replica-context all-reduce launches its collectives
+from the replica itself, and `extended.update` in replica context updates
+the replica's own copy of a mirrored variable. While a replica thread is
+inside `without_merge_call()`, tfpar's strategies run in that mode. With it:
+
+* an accumulating micro-step only adds each replica's gradients to its own
+  accumulators: nothing crosses replicas (PyTorch DDP's `no_sync`);
+* the update micro-step all-reduces the accumulated gradients once and
+  every replica applies the same update to its copy, as `merge_call` would.
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.util import nest
+
+
+class MergeFreeUpdates:
+  """Mixin of `MeshExtended`: the strategy's no-`merge_call` mode, per
+  replica thread, and its all-reduce by device column (a tensor shard's or
+  a pipeline stage's gradients are reduced where they live)."""
+
+  def _init_merge_free(self):
+    self._merge_free = threading.local()
+
+  @contextlib.contextmanager
+  def without_merge_call(self):
+    """Inside, this replica's all-reduces and variable updates do not use
+    `merge_call` (graph mode only: eager replicas run one after the other,
+    and their collectives would wait for each other)."""
+    previous = getattr(self._merge_free, "active", False)
+    self._merge_free.active = True
+    try:
+      yield
+    finally:
+      self._merge_free.active = previous
+
+  def _use_merge_call(self):
+    if (getattr(self._merge_free, "active", False) and
+        not tf.executing_eagerly()):
+      return False
+    return super()._use_merge_call()
+
+  def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+    if not getattr(self._merge_free, "active", False):
+      return super()._replica_ctx_all_reduce(reduce_op, value, options)
+    flat = nest.flatten(value)
+    columns = [self._column_of(v) or 0 for v in flat]
+    replica_id = tf.distribute.get_replica_context()._replica_id  # pylint: disable=protected-access
+    options = self._communication_options.merge(
+        options or tf.distribute.experimental.CommunicationOptions())
+    results = [None] * len(flat)
+    for column in dict.fromkeys(columns):
+      indices = [i for i, c in enumerate(columns) if c == column]
+      ops = (self._cross_device_ops if column == 0 else
+             self._column_cross_device_ops(column))
+      reduced = ops._all_reduce(  # pylint: disable=protected-access
+          reduce_op, [flat[i] for i in indices], replica_id, options)
+      for index, result in zip(indices, reduced):
+        results[index] = result
+    return nest.pack_sequence_as(value, results)
