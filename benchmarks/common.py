@@ -125,8 +125,9 @@ def synthetic_classification(args, num_samples):
   return x, y
 
 
-def build_mlp(strategy, args):
-  """The MLP benchmarks 1 and 2 train, compiled under `strategy`."""
+def build_mlp(strategy, args, **optimizer_options):
+  """The MLP benchmarks 1 and 2 train, compiled under `strategy`, with Adam
+  and `optimizer_options` (e.g. `gradient_accumulation_steps`)."""
   import keras  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(args.seed)
   with strategy.scope():
@@ -137,6 +138,6 @@ def build_mlp(strategy, args):
         keras.layers.Dense(args.classes),
     ])
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
+        optimizer=keras.optimizers.Adam(1e-3, **optimizer_options),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   return model

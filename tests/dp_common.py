@@ -21,8 +21,9 @@ def make_data(seed=0):
   return x.astype("float32"), y.astype("float32")
 
 
-def build_model(seed=1):
-  """A small MLP with deterministic initial weights, compiled with Adam."""
+def build_model(seed=1, gradient_accumulation_steps=None):
+  """A small MLP with deterministic initial weights, compiled with Adam
+  (accumulating gradients over `gradient_accumulation_steps` batches)."""
   model = keras.Sequential([
       keras.Input((FEATURES,)),
       keras.layers.Dense(32, activation="relu"),
@@ -32,7 +33,9 @@ def build_model(seed=1):
   rng = np.random.default_rng(seed)
   model.set_weights([0.3 * rng.normal(size=w.shape).astype("float32")
                      for w in model.get_weights()])
-  model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01),
+  model.compile(optimizer=keras.optimizers.Adam(
+      learning_rate=0.01,
+      gradient_accumulation_steps=gradient_accumulation_steps),
                 loss="mse", metrics=["mae"])
   return model
 

@@ -117,3 +117,21 @@ def test_two_workers_with_zero_stage2_equal_one_device(tmp_path, reference):
     assert [64] in result["optimizer_shapes"]
     assert [8, 32] not in result["optimizer_shapes"]
   assert results[0]["weights"] == results[1]["weights"]
+
+
+def test_two_workers_accumulating_gradients_equal_one_device(tmp_path):
+  x, y = dp_common.make_data()
+  model = dp_common.build_model(gradient_accumulation_steps=2)
+  history = dp_common.fit(model, x, y, validation_data=(x[:64], y[:64]))
+  reference = {
+      "history": history,
+      "evaluate": model.evaluate(x, y, batch_size=32, verbose=0),
+      "predict": model.predict(x[:100], batch_size=32, verbose=0),
+      "weights": model.get_weights(),
+  }
+  run = _launch(str(tmp_path), "--accumulate", "2")
+  assert run.returncode == 0, run.stdout[-4000:]
+  results = _results(tmp_path)
+  for result in results:
+    _assert_matches_reference(result, reference)
+  assert results[0]["weights"] == results[1]["weights"]

@@ -121,30 +121,52 @@ def _is_array_like(x):
 
 
 def install_accumulation_without_merge_call():
-  """Patches the TensorFlow optimizer's `_backend_apply_gradients` to run
-  in the strategy's no-`merge_call` mode when it accumulates gradients."""
+  """Patches the TensorFlow optimizer to apply accumulated gradients in the
+  strategy's no-`merge_call` mode, each gradient all-reduced on the device
+  of its variable (a tensor shard's gradients where the shard lives)."""
   if "accumulation" in _installed:
     return
   cls = tf_optimizer.TFOptimizer
-  original = getattr(cls, "_backend_apply_gradients", None)
-  if original is None or "gradient_accumulation_steps" not in inspect.getsource(
-      original):
+  apply = getattr(cls, "_backend_apply_gradients", None)
+  all_reduce = getattr(cls, "_all_reduce_sum_gradients", None)
+  if (apply is None or all_reduce is None or
+      "gradient_accumulation_steps" not in inspect.getsource(apply)):
     raise ImportError(
-        f"tfpar needs Keras's TFOptimizer._backend_apply_gradients to apply "
-        f"gradient_accumulation_steps (keras {_keras_version()}): this Keras "
-        f"moved it, and accumulation under a strategy would fail.")
+        f"tfpar needs Keras's TFOptimizer._backend_apply_gradients and "
+        f"_all_reduce_sum_gradients to apply gradient_accumulation_steps "
+        f"(keras {_keras_version()}): this Keras moved them, and "
+        f"accumulation under a strategy would fail.")
 
-  @functools.wraps(original)
+  def merge_free_scope():
+    return getattr(tf.distribute.get_strategy().extended,
+                   "without_merge_call", None)
+
+  @functools.wraps(apply)
   def _backend_apply_gradients(self, grads, trainable_variables):
-    scope = getattr(tf.distribute.get_strategy().extended,
-                    "without_merge_call", None)
+    scope = merge_free_scope()
     if not self.gradient_accumulation_steps or scope is None or (
         tf.distribute.in_cross_replica_context()):
-      return original(self, grads, trainable_variables)
+      return apply(self, grads, trainable_variables)
     with scope():
-      return original(self, grads, trainable_variables)
+      return apply(self, grads, trainable_variables)
+
+  @functools.wraps(all_reduce)
+  def _all_reduce_sum_gradients(self, grads_and_vars):
+    grads_and_vars = list(grads_and_vars)
+    extended = tf.distribute.get_strategy().extended
+    if getattr(extended, "merge_free_active", lambda: False)():
+      # The accumulated gradients were computed outside any device scope.
+      placed = []
+      for grad, var in grads_and_vars:
+        if grad is not None and not isinstance(grad, tf.IndexedSlices):
+          with tf.device(var.device):
+            grad = tf.identity(grad)
+        placed.append((grad, var))
+      grads_and_vars = placed
+    return all_reduce(self, grads_and_vars)
 
   cls._backend_apply_gradients = _backend_apply_gradients
+  cls._all_reduce_sum_gradients = _all_reduce_sum_gradients
   _installed.add("accumulation")
 
 

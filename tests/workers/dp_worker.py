@@ -4,6 +4,7 @@ Trains `dp_common`'s model with DataParallelStrategy on the TF_CONFIG mesh
 and writes what each worker saw to `<out_dir>/worker<i>.json`.
 
 Usage: dp_worker.py OUT_DIR [--backup DIR] [--die-in-epoch N] [--zero-stage S]
+                    [--accumulate K]
 """
 
 import argparse
@@ -42,12 +43,14 @@ def main():
   parser.add_argument("--backup")
   parser.add_argument("--die-in-epoch", type=int)
   parser.add_argument("--zero-stage", type=int)
+  parser.add_argument("--accumulate", type=int)
   args = parser.parse_args()
 
   mesh = tfpar.Mesh.from_cluster_resolver(data=-1)
   strategy = tfpar.DataParallelStrategy(mesh)
   with strategy.scope():
-    model = dp_common.build_model()
+    model = dp_common.build_model(
+        gradient_accumulation_steps=args.accumulate)
   x, y = dp_common.make_data()
   callbacks = []
   if args.backup:

@@ -45,14 +45,17 @@ class MergeFreeUpdates:
     finally:
       self._merge_free.active = previous
 
+  def merge_free_active(self):
+    """Whether this replica thread is inside `without_merge_call()`."""
+    return getattr(self._merge_free, "active", False)
+
   def _use_merge_call(self):
-    if (getattr(self._merge_free, "active", False) and
-        not tf.executing_eagerly()):
+    if self.merge_free_active() and not tf.executing_eagerly():
       return False
     return super()._use_merge_call()
 
   def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
-    if not getattr(self._merge_free, "active", False):
+    if not self.merge_free_active():
       return super()._replica_ctx_all_reduce(reduce_op, value, options)
     flat = nest.flatten(value)
     columns = [self._column_of(v) or 0 for v in flat]

@@ -1,0 +1,68 @@
+"""An independent run-time count of the all-reduces an optimizer's update
+launches, for the tests and the accumulation benchmark.
+
+Imported by `tests/test_gradient_accumulation.py` and by
+`benchmarks/bench_accumulation.py` (which puts this directory on its path).
+"""
+
+import contextlib
+
+import tensorflow as tf
+from keras.src.backend.tensorflow import optimizer as tf_optimizer
+from tensorflow.python.ops import collective_ops
+
+
+@contextlib.contextmanager
+def update_all_reduces():
+  """Counts, at run time, the all-reduces launched by the optimizer's
+  update (not Keras's metric or first-batch reductions): counter variables
+  incremented by a control dependency of each collective, so a collective
+  in a `tf.cond` branch counts only when that branch runs. Each device has
+  its own counters (a counter shared by the replicas would order their
+  conds one after the other, and their collectives would wait forever).
+
+  Yields:
+    A dict that holds, once the block ends, "executions" (all-reduces run,
+    summed over devices) and "bytes" (their inputs' bytes).
+  """
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+  with tf.init_scope():
+    counters = {}
+    for device in devices:
+      with tf.device(device):
+        counters[tf.DeviceSpec.from_string(device).device_index] = (
+            tf.Variable(0, dtype=tf.int64, trainable=False),
+            tf.Variable(0, dtype=tf.int64, trainable=False))
+  inside_update = []
+  original_reduce = collective_ops.all_reduce_v2
+  original_update = tf_optimizer.TFOptimizer._backend_update_step
+
+  def all_reduce_v2(t, *args, **kwargs):
+    result = original_reduce(t, *args, **kwargs)
+    if not inside_update:
+      return result
+    executions, sent = counters[
+        tf.DeviceSpec.from_string(result.device).device_index]
+    nbytes = t.shape.num_elements() * t.dtype.size
+    with tf.control_dependencies([result]):
+      counted = tf.group(executions.assign_add(1), sent.assign_add(nbytes))
+    with tf.control_dependencies([counted]):
+      return tf.identity(result)
+
+  def update_step(self, *args, **kwargs):
+    inside_update.append(True)
+    try:
+      return original_update(self, *args, **kwargs)
+    finally:
+      inside_update.pop()
+
+  totals = {}
+  collective_ops.all_reduce_v2 = all_reduce_v2
+  tf_optimizer.TFOptimizer._backend_update_step = update_step
+  try:
+    yield totals
+  finally:
+    collective_ops.all_reduce_v2 = original_reduce
+    tf_optimizer.TFOptimizer._backend_update_step = original_update
+    totals["executions"] = sum(int(e.numpy()) for e, _ in counters.values())
+    totals["bytes"] = sum(int(b.numpy()) for _, b in counters.values())
