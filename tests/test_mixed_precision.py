@@ -105,3 +105,36 @@ def test_zero_refuses_a_loss_scale_optimizer_before_training(mixed_float16):
                                                    devices=_two_cpus()))
   with pytest.raises(ValueError, match="does not shard a LossScaleOptimizer"):
     _train(strategy, callbacks=[tfpar.ZeRO(stage=2)])
+
+
+def _overflow_run(strategy):
+  """Two steps under mixed_float16 on data 2: in the first, only the rows
+  of the second replica overflow in float16; returns the weights, the
+  loss scale and the optimizer's iterations."""
+  with strategy.scope() if strategy else tf.init_scope():
+    model = _chain()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 8)).astype("float32")
+  x[8:16] *= 3e4  # Second half of the first batch: replica 1's rows.
+  y = np.ones((32, 3), "float32")
+  model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+  return (model.get_weights(), float(model.optimizer.dynamic_scale.numpy()),
+          int(model.optimizer.iterations.numpy()))
+
+
+def test_a_step_that_overflows_on_one_replica_is_skipped_on_all(
+    mixed_float16):
+  del mixed_float16
+  reference = _overflow_run(None)
+  data = _overflow_run(tfpar.DataParallelStrategy(
+      tfpar.Mesh({"data": 2}, devices=_two_cpus())))
+  pipeline = _overflow_run(tfpar.PipelineParallelStrategy(
+      tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2))
+  # One device sees the overflow: it halves the scale and skips the step.
+  assert reference[1] == 2.0 ** 14, reference[1]
+  for result in (data, pipeline):
+    assert result[1] == reference[1]
+    assert all(np.isfinite(w).all() for w in result[0])
+    assert max(float(np.abs(a - b).max())
+               for a, b in zip(result[0], reference[0])) < 1e-3

@@ -17,10 +17,9 @@
   into micro-batches; data replicas need equal shares, `tfpar.batches`).
   Arrays without `batch_size` get Keras's 32; a `tf.data` pipeline is
   checked with its own batch size.
-* Gradient accumulation: an optimizer with `gradient_accumulation_steps`
-  applies its gradients inside `strategy.extended.without_merge_call()`
-  when the current strategy has it (Keras's accumulation runs inside a
-  `tf.cond`, where `merge_call` is refused; `tfpar.engine.merge_free`).
+
+The optimizer's hooks (gradient accumulation, loss scaling) are in
+`tfpar.optimizer_hooks`.
 
 The patches are installed once per process and are idempotent.
 """
@@ -28,8 +27,6 @@ The patches are installed once per process and are idempotent.
 import functools
 import inspect
 
-import tensorflow as tf
-from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from tfpar import batches
@@ -119,57 +116,3 @@ def _is_array_like(x):
           hasattr(v, "shape") for v in (x.values() if isinstance(x, dict)
                                         else x)))
 
-
-def install_accumulation_without_merge_call():
-  """Patches the TensorFlow optimizer to apply accumulated gradients in the
-  strategy's no-`merge_call` mode, each gradient all-reduced on the device
-  of its variable (a tensor shard's gradients where the shard lives)."""
-  if "accumulation" in _installed:
-    return
-  cls = tf_optimizer.TFOptimizer
-  apply = getattr(cls, "_backend_apply_gradients", None)
-  all_reduce = getattr(cls, "_all_reduce_sum_gradients", None)
-  if (apply is None or all_reduce is None or
-      "gradient_accumulation_steps" not in inspect.getsource(apply)):
-    raise ImportError(
-        f"tfpar needs Keras's TFOptimizer._backend_apply_gradients and "
-        f"_all_reduce_sum_gradients to apply gradient_accumulation_steps "
-        f"(keras {_keras_version()}): this Keras moved them, and "
-        f"accumulation under a strategy would fail.")
-
-  def merge_free_scope():
-    return getattr(tf.distribute.get_strategy().extended,
-                   "without_merge_call", None)
-
-  @functools.wraps(apply)
-  def _backend_apply_gradients(self, grads, trainable_variables):
-    scope = merge_free_scope()
-    if not self.gradient_accumulation_steps or scope is None or (
-        tf.distribute.in_cross_replica_context()):
-      return apply(self, grads, trainable_variables)
-    with scope():
-      return apply(self, grads, trainable_variables)
-
-  @functools.wraps(all_reduce)
-  def _all_reduce_sum_gradients(self, grads_and_vars):
-    grads_and_vars = list(grads_and_vars)
-    extended = tf.distribute.get_strategy().extended
-    if getattr(extended, "merge_free_active", lambda: False)():
-      # The accumulated gradients were computed outside any device scope.
-      placed = []
-      for grad, var in grads_and_vars:
-        if grad is not None and not isinstance(grad, tf.IndexedSlices):
-          with tf.device(var.device):
-            grad = tf.identity(grad)
-        placed.append((grad, var))
-      grads_and_vars = placed
-    return all_reduce(self, grads_and_vars)
-
-  cls._backend_apply_gradients = _backend_apply_gradients
-  cls._all_reduce_sum_gradients = _all_reduce_sum_gradients
-  _installed.add("accumulation")
-
-
-def _keras_version():
-  import keras  # pylint: disable=g-import-not-at-top
-  return keras.__version__

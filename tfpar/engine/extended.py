@@ -27,6 +27,7 @@ from tensorflow.python.util import nest
 
 from tfpar import batches
 from tfpar import keras_hooks
+from tfpar import optimizer_hooks
 from tfpar.engine import merge_free
 
 # Each strategy instance needs its own collective keys (two instances that
@@ -80,7 +81,8 @@ class MeshExtended(merge_free.MergeFreeUpdates,
     self._column = threading.local()
     keras_hooks.install_model_registration()
     keras_hooks.install_batch_size_checks()
-    keras_hooks.install_accumulation_without_merge_call()
+    optimizer_hooks.install_accumulation_without_merge_call()
+    optimizer_hooks.install_global_overflow_check()
     self._init_merge_free()
     self._local_groups = tuple(
         group for group in mesh.replicas if mesh.is_local(group[0]))
