@@ -84,13 +84,18 @@ class ZeRO(keras.callbacks.Callback):
           "tfpar.ZeRO needs compiled steps (its collectives cannot be "
           "launched from eager replica functions one after another). "
           "Received: run_eagerly=True; compile with run_eagerly=False.")
-    sharded_optimizer.check_shardable(optimizer, strategy)
+    # A LossScaleOptimizer (mixed_float16) keeps its scale whole; the
+    # optimizer it wraps is sharded.
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    sharded_optimizer.check_shardable(inner, strategy)
     state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy)
     if self.stage == 3:
       sharded_weights.shard(model, state)
       sharded_weights.regather_in_backward(model)
-    sharded_optimizer.shard(optimizer, state)
-    checkpoint.install(optimizer, model)
+    sharded_optimizer.shard(inner, state)
+    object.__setattr__(optimizer, "_tfpar_zero", state)
+    for saved in {id(o): o for o in (optimizer, inner)}.values():
+      checkpoint.install(saved, model)  # Keras saves both.
 
   def set_model(self, model):
     super().set_model(model)

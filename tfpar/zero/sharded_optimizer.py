@@ -105,13 +105,6 @@ class ZeroState:
 
 def check_shardable(optimizer, strategy):
   """Raises a ValueError for an optimizer ZeRO cannot shard."""
-  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-    raise ValueError(
-        f"tfpar.ZeRO does not shard a LossScaleOptimizer yet (Keras "
-        f"compiles one under the 'mixed_float16' policy); its inner "
-        f"optimizer would update whole weights with sliced gradients. Use "
-        f"'mixed_bfloat16' (no loss scaling) with ZeRO, or mixed_float16 "
-        f"without ZeRO. Received optimizer {optimizer.name!r}.")
   if type(optimizer).__name__ in _REFUSED:
     raise ValueError(
         f"tfpar.ZeRO cannot shard {type(optimizer).__name__}: its state "
