@@ -44,14 +44,25 @@ def _where_computed(gradient):
   return tf.device(device) if device else contextlib.nullcontext()
 
 
-def _dense_where_computed(gradient):
+# Sparse gradients (an Embedding's IndexedSlices) stay sparse: the
+# micro-batches' rows are concatenated, as one device's batch has them all,
+# so that the optimizer applies them as on one device (Keras's Adam squares
+# each repeated row on its own).
+def _summable(gradient):
+  if isinstance(gradient, tf.IndexedSlices):
+    return gradient
   with _where_computed(gradient):
     return tf.convert_to_tensor(gradient)
 
 
 def _add_where_computed(total, gradient):
   with _where_computed(gradient):
-    return total + gradient
+    if isinstance(total, tf.IndexedSlices) and isinstance(
+        gradient, tf.IndexedSlices):
+      return tf.IndexedSlices(
+          tf.concat([total.values, gradient.values], 0),
+          tf.concat([total.indices, gradient.indices], 0), total.dense_shape)
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
 
 
 class StageRunner:
@@ -174,7 +185,7 @@ class StageRunner:
           num_inputs = len(sources) - len(variables[s])
           if s:
             input_grads[(s, k)] = grads[:num_inputs]
-          var_grads = [_dense_where_computed(g) for g in grads[num_inputs:]]
+          var_grads = [_summable(g) for g in grads[num_inputs:]]
           grad_sums[s] = var_grads if grad_sums[s] is None else [
               _add_where_computed(a, g)
               for a, g in zip(grad_sums[s], var_grads)]

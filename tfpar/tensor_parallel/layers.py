@@ -221,6 +221,9 @@ def _vocab(layout, group, sequence_parallel):
         inside = ops.logical_and(local >= 0, local < rows)
         looked_up = ops.take(layer._embeddings.shards[index],  # pylint: disable=protected-access
                              ops.where(inside, local, 0), axis=0)
+        # Partial rows cross devices in the compute dtype (exact: only one
+        # device's row is not zero).
+        looked_up = ops.cast(looked_up, layer.compute_dtype)
         return looked_up * ops.cast(inside, looked_up.dtype)[..., None]
       parts.append(compute.on_device(device, shard_fn, ids[index]))
     return combine(parts, devices, layer.name,

@@ -1,0 +1,115 @@
+"""Keras's mixed precision policies under every tfpar layout: the small
+GPT of the tensor-parallel tests (embeddings, attention, GELU MLP,
+LayerNorms) trained under `mixed_float16` (with Keras's dynamic loss
+scaling) and `mixed_bfloat16`, against one device under the same policy,
+within the spread of stock `MirroredStrategy` vs one device measured side
+by side. Tensor parallelism communicates activations in the compute dtype:
+half the bytes of float32, counted from the log of the same step."""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+import tp_common
+
+POLICIES = ["mixed_float16", "mixed_bfloat16"]
+
+
+def _data2():
+  return tfpar.Mesh({"data": 2}, devices=tfpar.Mesh().devices[:2])
+
+
+LAYOUTS = {
+    "data 2": lambda: (tfpar.DataParallelStrategy(_data2()), []),
+    "data 2 x tensor 2": lambda: (tfpar.TensorParallelStrategy(
+        tfpar.Mesh({"data": 2, "tensor": 2})), []),
+    "data 2 x tensor 2, sequence parallel": lambda: (
+        tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2, "tensor": 2}),
+                                     sequence_parallel=True), []),
+    "data 2 x pipeline 2, GPipe": lambda: (tfpar.PipelineParallelStrategy(
+        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2,
+        schedule="gpipe"), []),
+    "data 2 x pipeline 2, 1F1B": lambda: (tfpar.PipelineParallelStrategy(
+        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2), []),
+    "pipeline 2 x tensor 2": lambda: (tfpar.PipelineParallelStrategy(
+        tfpar.Mesh({"pipeline": 2, "tensor": 2}), num_microbatches=2), []),
+    "ZeRO-1": lambda: (tfpar.DataParallelStrategy(_data2()),
+                       [tfpar.ZeRO(stage=1)]),
+    "ZeRO-2, offload": lambda: (tfpar.DataParallelStrategy(_data2()),
+                                [tfpar.ZeRO(stage=2, offload="cpu")]),
+    "ZeRO-3": lambda: (tfpar.DataParallelStrategy(_data2()),
+                       [tfpar.ZeRO(stage=3)]),
+    "data 2 x tensor 2, ZeRO-2": lambda: (tfpar.TensorParallelStrategy(
+        tfpar.Mesh({"data": 2, "tensor": 2})), [tfpar.ZeRO(stage=2)]),
+}
+
+
+def _train(policy, layout=None):
+  """(step losses, whole weights, communication log) of 12 steps."""
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    if layout is None:
+      strategy, callbacks = None, []
+    elif layout == "mirrored":
+      strategy = tf.distribute.MirroredStrategy(tfpar.Mesh().devices[:2])
+      callbacks = []
+    else:
+      strategy, callbacks = LAYOUTS[layout]()
+    with strategy.scope() if strategy else tf.init_scope():
+      model = tp_common.compile_model(tp_common.gpt())
+    x, y = tp_common.data("gpt")
+    with tfpar.CommunicationLog() as log:
+      losses = tp_common.step_losses(model, x, y, epochs=1,
+                                     callbacks=callbacks)
+    return losses, model.get_weights(), log
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@functools.cache
+def _spread(policy):
+  """(reference run, loss spread, weight spread) of stock MirroredStrategy
+  on 2 CPUs against one device."""
+  reference = _train(policy)
+  return (reference,) + _difference(_train(policy, "mirrored"), reference)
+
+
+def _difference(result, reference):
+  assert len(result[1]) == len(reference[1])
+  return (float(np.abs(result[0] - reference[0]).max()),
+          max(float(np.abs(a - b).max())
+              for a, b in zip(result[1], reference[1])))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_trains_like_one_device(policy, layout):
+  reference, spread_loss, spread_weights = _spread(policy)
+  result = _train(policy, layout)
+  loss, weights = _difference(result, reference)
+  print(f"{policy} {layout}: losses {loss:.1e} weights {weights:.1e}; "
+        f"mirrored {spread_loss:.1e} / {spread_weights:.1e}")
+  assert loss <= 2 * spread_loss + 1e-5, (loss, spread_loss)
+  assert weights <= 2 * spread_weights + 1e-5, (weights, spread_weights)
+  if "tensor" in layout and "ZeRO" not in layout:
+    # Activations (and their gradients) cross devices in the compute
+    # dtype, the embeddings' token ids stay int32.
+    mixed, single = _bytes(result[2]), _bytes(_train("float32", layout)[2])
+    assert mixed.keys() == single.keys()
+    for key, nbytes in single.items():
+      token_ids = key[0] in ("tokens", "positions") and key[1:] == (
+          "broadcast", "forward")
+      assert mixed[key] == (nbytes if token_ids else nbytes // 2), key
+
+
+def _bytes(log):
+  """Bytes of one step's records per (layer, kind, phase)."""
+  totals = {}
+  for record in log.step_records():
+    key = (record.layer, record.kind, record.phase)
+    totals[key] = totals.get(key, 0) + record.bytes
+  return totals
