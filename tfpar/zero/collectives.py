@@ -79,3 +79,18 @@ def all_reduce_sum(values, phase, name):
                     instrument.moved_bytes(values, 2) * (count - 1) // count,
                     name)
   return _launcher(context).all_reduce(values)
+
+
+def all_gather_rows(rows, phase, name, column=None):
+  """Every replica's rows of an `IndexedSlices`, concatenated in replica
+  order (what MirroredStrategy's all-reduce of `IndexedSlices` gives);
+  arguments as for `all_gather`."""
+  context = tf.distribute.get_replica_context()
+  launcher = _launcher(context, column)
+  count = context.num_replicas_in_sync
+  sent = None
+  if rows.values.shape.is_fully_defined():
+    sent = (instrument.moved_bytes(rows.values, count - 1) +
+            instrument.moved_bytes(rows.indices, count - 1))
+  instrument.record("all-gather", phase, sent, name)
+  return launcher.all_reduce_indexed_slices(rows)

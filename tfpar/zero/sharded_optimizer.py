@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tfpar.tensor_parallel.optimizer import clip_by_norm_of
 from tfpar.zero import collectives
+from tfpar.zero import sparse_gradients
 from tfpar.zero import slices
 
 # Optimizers whose state is not elementwise in the weights.
@@ -184,14 +185,19 @@ def shard(optimizer, state):
 def _apply_sharded(optimizer, state, grads, variables):
   entries = [state.entries[id(v)] for v in variables]
   phase = collectives.OPTIMIZER
-  if state.stage == 3:
-    reduce = lambda g, e: g  # The tape's gradients are reduced slices.
+  if state.stage == 3:  # The tape's gradients are reduced slices.
+    reduce = lambda g, e: tf.convert_to_tensor(g) if _clips(optimizer) else g
   else:
     reduce = lambda g, e: collectives.reduce_scatter(
         slices.padded_flat(g, e.size * state.replicas), phase, e.weight.path,
         e.column)
   steps = optimizer.gradient_accumulation_steps
   if not steps:
+    if state.stage != 3 and not _clips(optimizer):
+      dense = reduce  # Sparse gradients as MirroredStrategy applies them.
+      reduce = lambda g, e: (sparse_gradients.sliced_sparse_gradient(
+          g, e.weight.shape, e.weight.path, e.column, e.size) if isinstance(
+              g, tf.IndexedSlices) else dense(g, e))
     optimizer._backend_update_step(  # pylint: disable=protected-access
         [reduce(g, e) for g, e in zip(grads, entries)], variables,
         optimizer.learning_rate)
@@ -216,6 +222,12 @@ def _apply_sharded(optimizer, state, grads, variables):
 
   is_update_step = (optimizer._iterations + 1) % steps == 0  # pylint: disable=protected-access
   tf.cond(is_update_step, update, accumulate)
+
+
+def _clips(optimizer):
+  """Whether the optimizer clips gradients (ZeRO clips dense slices)."""
+  return any(value and value > 0 for value in (
+      optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue))
 
 
 class _ShardedUpdate(keras.optimizers.Optimizer):

@@ -8,13 +8,16 @@ Outside replicas (`get_weights`, saving, `assign`) the variable behaves as
 the whole weight.
 """
 
+import inspect
 import threading
 
+import keras
 from keras.src.backend.common import variables as keras_variables
 import numpy as np
 import tensorflow as tf
 
 from tfpar.zero import collectives
+from tfpar.zero import sparse_gradients
 from tfpar.zero import slices
 from tfpar.tensor_parallel import instrument
 
@@ -60,6 +63,10 @@ class GatheredWeight:
 
       def grad(upstream):
         # The gradient is reduced in the weight's own dtype (float32).
+        if isinstance(upstream, tf.IndexedSlices):  # As MirroredStrategy.
+          return sparse_gradients.sliced_sparse_gradient(
+              tf.cast(upstream, piece.dtype), shape, path, column,
+              length // count, instrument.BACKWARD)
         return collectives.reduce_scatter(
             slices.padded_flat(tf.cast(upstream, piece.dtype), length),
             instrument.BACKWARD, path, column)
@@ -151,9 +158,20 @@ def regather_in_backward(model):
   its backward pass, so that gathered weights live only while used.
 
   Layers that draw random numbers (dropout inside the layer) are left as
-  they are: recomputing them would draw new masks.
+  they are: recomputing them would draw new masks. So are plain embedding
+  lookups: their backward pass needs the token ids, not the table, and
+  `tf.recompute_grad` would densify their sparse gradients (which ZeRO
+  applies as MirroredStrategy does, `sparse_gradients`).
   """
   for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
     if (layer._trainable_variables and  # pylint: disable=protected-access
-        not getattr(layer, "_seed_generators", None)):
+        not getattr(layer, "_seed_generators", None) and
+        not _is_lookup(layer)):
       layer.call = _recomputed(layer.call)
+
+
+def _is_lookup(layer):
+  """A Keras Embedding that only looks rows up (not a tied output
+  projection, keras-hub's ReversibleEmbedding with `reverse=True`)."""
+  return (isinstance(layer, keras.layers.Embedding) and
+          "reverse" not in inspect.signature(layer.call).parameters)
