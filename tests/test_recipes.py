@@ -62,6 +62,9 @@ def _assert_built_as_declared(setup):
   if recipe.kind == "tensor_parallel":
     assert strategy.extended._sequence_parallel == options.get(  # pylint: disable=protected-access
         "sequence_parallel", False)
+  if recipe.training:
+    assert isinstance(callbacks[0], recipes.RecipeTraining)
+    callbacks = callbacks[1:]
   if recipe.zero is None:
     assert callbacks == []
   else:
@@ -71,7 +74,12 @@ def _assert_built_as_declared(setup):
                                           recipe.zero["offload"])
 
 
-@pytest.mark.parametrize("name", recipes.available())
+def _float32_recipes():
+  return [name for name in recipes.available()
+          if not recipes.load(name).training]
+
+
+@pytest.mark.parametrize("name", _float32_recipes())
 def test_every_recipe_trains_like_one_device(name, one_device_losses):
   setup = recipes.from_recipe(name)
   _assert_built_as_declared(setup)
@@ -80,6 +88,45 @@ def test_every_recipe_trains_like_one_device(name, one_device_losses):
   print(f"{name}: max |loss - one device| = "
         f"{np.abs(losses - one_device_losses).max():.2e}")
   np.testing.assert_allclose(losses, one_device_losses, atol=1e-5, rtol=0)
+
+
+def test_a_training_recipe_sets_the_policy_and_the_accumulation():
+  """`zero2_bf16_accumulate`: the policy and accumulation reach a script
+  that only calls from_recipe(); it trains as one device with the same
+  settings, within the spread of stock MirroredStrategy vs one device."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  try:
+    setup = recipes.from_recipe("zero2_bf16_accumulate")
+    _assert_built_as_declared(setup)
+    assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+    strategy, callbacks = setup
+    losses = fit_losses(strategy, callbacks)
+    training = [c for c in callbacks if isinstance(c, recipes.RecipeTraining)]
+    reference = fit_losses(None, [recipes.RecipeTraining(setup.recipe)])
+    without = fit_losses(None)  # No accumulation: a different model.
+    mirrored = fit_losses(tf.distribute.MirroredStrategy(
+        tfpar.Mesh().devices))
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  assert len(training) == 1
+  spread = np.abs(mirrored - without).max()
+  difference = np.abs(losses - reference).max()
+  print(f"bf16 + accumulation recipe: {difference:.1e}; mirrored spread "
+        f"{spread:.1e}; without accumulation "
+        f"{np.abs(without - reference).max():.1e}")
+  assert difference <= 2 * spread + 1e-5
+  assert np.abs(without - reference).max() > 10 * difference
+
+
+def test_a_training_recipe_refuses_a_model_built_under_another_policy():
+  setup = recipes.from_recipe("zero2_bf16_accumulate")
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.mixed_precision.set_global_policy("float32")
+  strategy, callbacks = setup
+  with pytest.raises(ValueError, match="training.precision is "
+                     "'mixed_bfloat16', but model .* 'float32' policy"):
+    fit_losses(strategy, callbacks)
 
 
 # --- the files ----------------------------------------------------------------

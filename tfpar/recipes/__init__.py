@@ -26,12 +26,15 @@ from tfpar.recipes.files import load
 from tfpar.recipes.schema import Recipe
 
 _BUILD = ("from_recipe", "make_callbacks", "make_plan", "RecipeSetup")
+_TRAINING = ("RecipeTraining",)
 
 __all__ = ["RECIPE_ENV", "Recipe", "available", "directories", "find",
-           "load", *_BUILD]
+           "load", *_BUILD, *_TRAINING]
 
 
 def __getattr__(name):
   if name in _BUILD:  # Imports TensorFlow, so only when asked for.
     return getattr(importlib.import_module("tfpar.recipes.build"), name)
+  if name in _TRAINING:
+    return getattr(importlib.import_module("tfpar.recipes.training"), name)
   raise AttributeError(f"module 'tfpar.recipes' has no attribute {name!r}")

@@ -9,6 +9,7 @@ from tfpar.pipeline import PipelineParallelStrategy
 from tfpar.recipes import files
 from tfpar.recipes import rules
 from tfpar.recipes import schema
+from tfpar.recipes import training
 from tfpar.tensor_parallel import ShardingPlan
 from tfpar.tensor_parallel import TensorParallelStrategy
 from tfpar.tensor_parallel import styles
@@ -64,6 +65,11 @@ def from_recipe(path_or_name=None, mesh=None):
       `tfpar.Mesh.from_cluster_resolver(**recipe.mesh)`, so the same recipe
       runs on this host and across `TF_CONFIG` workers.
 
+  A recipe's `[training]` table sets Keras's global dtype policy here
+  (`training.precision`), so build the model after this call; its
+  `gradient_accumulation_steps` reaches the optimizer through the
+  callbacks (`tfpar.recipes.training.RecipeTraining`).
+
   Returns:
     A `RecipeSetup`: `strategy, callbacks = from_recipe(...)`; its `recipe`
     attribute is the `tfpar.recipes.Recipe`.
@@ -102,6 +108,7 @@ def from_recipe(path_or_name=None, mesh=None):
   else:
     raise ValueError(f"from_recipe: mesh must be a tfpar.Mesh or None. "
                      f"Received: mesh={mesh!r}")
+  training.apply_precision(recipe)
   options = dict(recipe.options)
   if recipe.plan is not None:
     options["plan"] = make_plan(recipe)
@@ -121,6 +128,7 @@ def make_plan(recipe):
   Example:
 
   >>> from tfpar.recipes import schema
+from tfpar.recipes import training
   >>> recipe = schema.validate({
   ...     "strategy": {"kind": "tensor_parallel"}, "mesh": {"tensor": 2},
   ...     "plan": {"rules": [["head/kernel", "ColumnParallel"]]}})
@@ -139,7 +147,8 @@ def make_callbacks(recipe):
     recipe: a `tfpar.recipes.Recipe`.
 
   Returns:
-    `[tfpar.ZeRO(...)]` for a recipe with a `[zero]` table, else `[]`.
+    A `RecipeTraining` for a recipe with a `[training]` table, then
+    `tfpar.ZeRO(...)` for a recipe with a `[zero]` table.
 
   Example:
 
@@ -147,6 +156,9 @@ def make_callbacks(recipe):
   >>> [c.stage for c in recipes.make_callbacks(recipes.load("zero3"))]
   [3]
   """
-  if recipe.zero is None:
-    return []
-  return [ZeRO(**recipe.zero)]
+  callbacks = []
+  if recipe.training:
+    callbacks.append(training.RecipeTraining(recipe))
+  if recipe.zero is not None:
+    callbacks.append(ZeRO(**recipe.zero))
+  return callbacks

@@ -17,6 +17,10 @@ A recipe is a TOML table:
   [plan]               # optional: tensor-parallel rules (`plan_table`)
   rules = [["head/kernel", "ColumnParallel"]]
 
+  [training]           # optional: Keras's precision and accumulation
+  precision = "mixed_bfloat16"
+  gradient_accumulation_steps = 4
+
 Every problem is a `ValueError` that names the key, its value and the rule.
 Pure Python: `tfpar launch` checks recipes without importing TensorFlow.
 """
@@ -34,6 +38,7 @@ AXES = ("data", "pipeline", "tensor")
 SCHEDULES = ("gpipe", "1f1b")
 ZERO_STAGES = (1, 2, 3)
 OFFLOADS = ("none", "cpu")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 _PIPELINE = ("pipeline_parallel",)
 _TENSOR = ("tensor_parallel",)
 
@@ -53,6 +58,8 @@ class Recipe:
     summary: the recipe's one-line description.
     plan: the `[plan]` table as `{"rules": ((regex, style name), ...),
       "builtin": bool}`, or None for the built-in plans.
+    training: the `[training]` table (`precision`: a Keras dtype policy
+      name, `gradient_accumulation_steps`), or None.
 
   Example:
 
@@ -70,6 +77,7 @@ class Recipe:
   zero: dict = None
   summary: str = ""
   plan: dict = None
+  training: dict = None
 
   def describe(self):
     """One line: the strategy kind, its options, the mesh, ZeRO and plan.
@@ -88,7 +96,10 @@ class Recipe:
       zero = f", ZeRO stage {self.zero['stage']}" + (
           f" offload={offload}" if offload else "")
     plan = f", {plan_table.describe(self.plan)}" if self.plan else ""
-    return f"{self.name}: {self.kind}{options} on mesh {mesh}{zero}{plan}"
+    training = "".join(f", {k}={v!r}" for k, v in (self.training or
+                                                   {}).items())
+    return (f"{self.name}: {self.kind}{options} on mesh {mesh}{zero}{plan}"
+            f"{training}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +124,10 @@ def _axis_size(value):
 
 def _one_of(values):
   return lambda value: not isinstance(value, bool) and value in values
+
+
+def _accumulation_steps(value):
+  return _positive_int(value) and value >= 2
 
 
 def _stages(value):
@@ -146,8 +161,16 @@ _SECTIONS = {
                       plan_table.KINDS),
         "builtin": _Key("must be true or false", _bool, plan_table.KINDS),
     },
+    "training": {
+        "precision": _Key(f"must be one of {list(PRECISIONS)} (a Keras "
+                          f"dtype policy)", _one_of(PRECISIONS)),
+        "gradient_accumulation_steps": _Key(
+            "must be an integer of at least 2 (leave it out for no "
+            "accumulation)", _accumulation_steps),
+    },
 }
-_OPTIONAL = {"zero": KINDS, "plan": plan_table.KINDS}  # Section: its kinds.
+# Optional section: the kinds it is for.
+_OPTIONAL = {"zero": KINDS, "plan": plan_table.KINDS, "training": KINDS}
 _TOP = ("summary",) + tuple(_SECTIONS)
 
 
@@ -156,8 +179,8 @@ def keys():
 
   Example:
 
-  >>> keys()[:6]
-  ['summary', 'strategy', 'mesh', 'zero', 'plan', 'strategy.kind']
+  >>> keys()[:7]
+  ['summary', 'strategy', 'mesh', 'zero', 'plan', 'training', 'strategy.kind']
   """
   return list(_TOP) + [f"{section}.{key}" for section, table in
                        _SECTIONS.items() for key in table]
@@ -227,7 +250,9 @@ def validate(raw, name="recipe", path=""):
     zero = {"stage": tables["zero"]["stage"],
             "offload": None if offload == "none" else offload}
   plan = plan_table.read(where, tables["plan"]) if "plan" in raw else None
-  recipe = Recipe(name, path, kind, mesh, options, zero, summary, plan)
+  training = dict(tables["training"]) if "training" in raw else None
+  recipe = Recipe(name, path, kind, mesh, options, zero, summary, plan,
+                  training)
   rules.check_combination(recipe, mesh_shape(mesh), where)
   return recipe
 
