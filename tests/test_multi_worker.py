@@ -135,3 +135,36 @@ def test_two_workers_accumulating_gradients_equal_one_device(tmp_path):
   for result in results:
     _assert_matches_reference(result, reference)
   assert results[0]["weights"] == results[1]["weights"]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_two_workers_under_a_mixed_policy_train_like_mirrored(tmp_path,
+                                                              policy):
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  x, y = dp_common.make_data()
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    reference = dp_common.build_model()
+    history = dp_common.fit(reference, x, y)
+    with tf.distribute.MirroredStrategy(
+        [d.name for d in tf.config.list_logical_devices("CPU")]).scope():
+      mirrored = dp_common.build_model()
+    mirrored_history = dp_common.fit(mirrored, x, y)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  run = _launch(str(tmp_path), "--policy", policy)
+  assert run.returncode == 0, run.stdout[-4000:]
+  spread_loss = np.abs(np.subtract(mirrored_history["loss"],
+                                   history["loss"])).max()
+  spread_weights = max(np.abs(a - b).max() for a, b in zip(
+      mirrored.get_weights(), reference.get_weights()))
+  for result in _results(tmp_path):
+    loss = np.abs(np.subtract(result["history"]["loss"],
+                              history["loss"])).max()
+    weights = max(np.abs(np.array(a) - b).max() for a, b in zip(
+        result["weights"], reference.get_weights()))
+    print(f"{policy} workers: loss {loss:.1e} weights {weights:.1e}; "
+          f"mirrored {spread_loss:.1e} / {spread_weights:.1e}")
+    assert loss <= 2 * spread_loss + 1e-5
+    assert weights <= 2 * spread_weights + 1e-5

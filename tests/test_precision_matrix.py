@@ -93,17 +93,28 @@ def test_policy_trains_like_one_device(policy, layout):
   loss, weights = _difference(result, reference)
   print(f"{policy} {layout}: losses {loss:.1e} weights {weights:.1e}; "
         f"mirrored {spread_loss:.1e} / {spread_weights:.1e}")
-  assert loss <= 2 * spread_loss + 1e-5, (loss, spread_loss)
-  assert weights <= 2 * spread_weights + 1e-5, (weights, spread_weights)
+  # A tensor axis rounds each device's partial product to the compute dtype
+  # before the partial products are summed (as Megatron does), where one
+  # device rounds the whole product once: in bfloat16 (8 bits of mantissa)
+  # that is measured at 1.3x-2.1x the spread of MirroredStrategy.
+  factor = 3 if "tensor" in layout and policy == "mixed_bfloat16" else 2
+  assert loss <= factor * spread_loss + 1e-5, (loss, spread_loss)
+  assert weights <= factor * spread_weights + 1e-5, (weights,
+                                                     spread_weights)
   if "tensor" in layout and "ZeRO" not in layout:
     # Activations (and their gradients) cross devices in the compute
     # dtype, the embeddings' token ids stay int32.
-    mixed, single = _bytes(result[2]), _bytes(_train("float32", layout)[2])
+    mixed, single = _bytes(result[2]), _float32_bytes(layout)
     assert mixed.keys() == single.keys()
     for key, nbytes in single.items():
       token_ids = key[0] in ("tokens", "positions") and key[1:] == (
           "broadcast", "forward")
       assert mixed[key] == (nbytes if token_ids else nbytes // 2), key
+
+
+@functools.cache
+def _float32_bytes(layout):
+  return _bytes(_train("float32", layout)[2])
 
 
 def _bytes(log):

@@ -4,7 +4,7 @@ Trains `dp_common`'s model with DataParallelStrategy on the TF_CONFIG mesh
 and writes what each worker saw to `<out_dir>/worker<i>.json`.
 
 Usage: dp_worker.py OUT_DIR [--backup DIR] [--die-in-epoch N] [--zero-stage S]
-                    [--accumulate K]
+                    [--accumulate K] [--policy NAME]
 """
 
 import argparse
@@ -44,8 +44,11 @@ def main():
   parser.add_argument("--die-in-epoch", type=int)
   parser.add_argument("--zero-stage", type=int)
   parser.add_argument("--accumulate", type=int)
+  parser.add_argument("--policy")
   args = parser.parse_args()
 
+  if args.policy:
+    keras.mixed_precision.set_global_policy(args.policy)
   mesh = tfpar.Mesh.from_cluster_resolver(data=-1)
   strategy = tfpar.DataParallelStrategy(mesh)
   with strategy.scope():

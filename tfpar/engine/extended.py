@@ -28,6 +28,7 @@ from tensorflow.python.util import nest
 from tfpar import batches
 from tfpar import keras_hooks
 from tfpar import optimizer_hooks
+from tfpar.engine import bfloat16_gather
 from tfpar.engine import merge_free
 
 # Each strategy instance needs its own collective keys (two instances that
@@ -57,7 +58,7 @@ class DeviceSet:
     self._devices = tuple(devices)
 
 
-class MeshExtended(merge_free.MergeFreeUpdates,
+class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
                    collective_all_reduce_strategy.CollectiveAllReduceExtended):
   """Strategy engine over a `tfpar.Mesh`: replicas are device groups.
 
