@@ -36,7 +36,7 @@ ACCUMULATION = 4
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common.add_common_flags(parser, runs=5, steps=100)
+  common.add_common_flags(parser, runs=5, steps=100, skip_steps=8)
   common.add_global_batch_flag(parser, 256)
   parser.add_argument("--features", type=int, default=256)
   parser.add_argument("--hidden", type=int, default=512)

@@ -11,10 +11,9 @@ share of the batch and the engine all-reduces each stage's gradients
 among the s-th devices of the replicas.
 """
 
-
 import keras
-from tensorflow.python.data.ops import dataset_ops
 
+from tfpar import batches
 from tfpar import keras_hooks
 from tfpar.engine import extended as engine_extended
 from tfpar.pipeline import executor
@@ -143,24 +142,6 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
           f"of data x num_microbatches = {rows}.")
 
   def _experimental_distribute_dataset(self, dataset, options):
-    self.check_batch_size(_batch_size_of(dataset),
+    self.check_batch_size(batches.dataset_batch_size(dataset),
                           "the dataset's batch size")
     return super()._experimental_distribute_dataset(dataset, options)
-
-
-def _batch_size_of(dataset):
-  """The batch size a tf.data pipeline was batched with, if it says."""
-  while dataset is not None:
-    batch_size = getattr(dataset, "_batch_size", None)
-    if batch_size is not None:
-      try:
-        return int(batch_size.numpy())
-      except (AttributeError, TypeError, ValueError):
-        return None
-    inputs = getattr(dataset, "_input_dataset", None)
-    if inputs is None or not isinstance(inputs, dataset_ops.DatasetV2):
-      return None
-    dataset = inputs
-  return None
-
-
