@@ -127,6 +127,40 @@ def test_activations_follow_layer_output_shapes():
   assert mixed.activations == estimate.activations // 2
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_keras_policies_keep_float32_states_and_halve_activations(policy):
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    model = dp_common.build_model()
+    outputs = [layer.output.dtype for layer in model.layers]
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  # Measured: Keras keeps float32 variables under its mixed policies, and
+  # every layer output (what backward keeps) is in the 2-byte compute dtype.
+  assert {v.dtype for v in model.weights} == {"float32"}
+  assert set(outputs) == {policy.split("_")[1]}
+  weight_bytes = sum(4 * int(np.prod(v.shape)) for v in model.weights)
+  for layout in (Layout(data=4), Layout(data=4, zero=3)):
+    fp32 = planner.estimate_layout(model, layout, batch_size=32)
+    mixed = planner.estimate_layout(model, layout, policy, batch_size=32)
+    assert (mixed.parameters, mixed.gradients, mixed.optimizer) == (
+        fp32.parameters, fp32.gradients, fp32.optimizer)
+    assert mixed.activations == fp32.activations // 2
+  assert planner.estimate_layout(model, Layout(data=4),
+                                 policy).parameters == weight_bytes
+
+
+def test_a_plan_in_a_keras_policy_writes_it_into_the_recipe(tmp_path):
+  from tfpar import recipes  # pylint: disable=g-import-not-at-top
+  result = planner.plan(7.5e9, 64, "32GB", precision="mixed_bfloat16")
+  path = result.write_recipe(str(tmp_path / "planned.toml"))
+  assert recipes.load(path).training == {"precision": "mixed_bfloat16"}
+  fp32 = planner.plan(7.5e9, 64, "32GB")
+  path = fp32.write_recipe(str(tmp_path / "fp32.toml"))
+  assert recipes.load(path).training is None
+
+
 def test_pipeline_activations_by_schedule_and_recompute():
   model = pp_common.residual_chain()
   pp_common.compile_model(model)
@@ -218,8 +252,8 @@ def test_nothing_fits_says_so():
      r"devices=0"),
     (dict(memory_per_device="16XB"), r"memory_per_device must be a positive "
      r"size such as '16GB'.*Received: memory_per_device='16XB'"),
-    (dict(precision="fp8"), r"precision must be one of 'fp32', 'mixed'\. "
-     r"Received: precision='fp8'"),
+    (dict(precision="fp8"), r"precision must be one of 'fp32', 'mixed', "
+     r"'mixed_float16', 'mixed_bfloat16'\. Received: precision='fp8'"),
     (dict(batch_size=0), r"batch_size must be a positive integer\. Received: "
      r"batch_size=0"),
     (dict(model="big"), r"model must be a built Keras model or a parameter "

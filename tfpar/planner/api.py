@@ -30,9 +30,11 @@ def plan(model, devices, memory_per_device, batch_size=None,
     devices: N, the number of devices.
     memory_per_device: bytes, or a size such as "16GB" or "40GiB".
     batch_size: the global batch (default: N, one sample per device).
-    precision: "fp32" (Keras's float32 weights, gradients and slots) or
+    precision: "fp32" (Keras's float32 weights, gradients and slots),
       "mixed" (the ZeRO paper's fp16 weights and gradients with fp32 Adam
-      state and fp16 activations).
+      state and fp16 activations), or a Keras policy, "mixed_float16" or
+      "mixed_bfloat16" (float32 weights, gradients and slots, activations
+      in 2 bytes).
     optimizer: a Keras optimizer, its name, or slots per weight as an int;
       default: the model's compiled optimizer, else Adam (2 slots).
     node_size: devices per node, the largest tensor degree (default:
@@ -120,7 +122,7 @@ def estimate_layout(model, layout, precision="fp32", optimizer=None,
   Args:
     model: a parameter count Ψ, or a built Keras model.
     layout: a `tfpar.planner.Layout`.
-    precision: "fp32" or "mixed".
+    precision: as for `plan`.
     optimizer: a Keras optimizer, its name, or slots per weight (default:
       the model's compiled optimizer, else Adam's 2).
     batch_size: the global batch (default: the layout's device count).
@@ -215,8 +217,8 @@ def _assumptions(profile, devices, node_size, precision):
     notes.append(
         "precision='mixed' is the ZeRO paper's accounting (fp16 weights and "
         "gradients, fp32 master weights in the optimizer state). Keras's "
-        "mixed_float16 policy keeps float32 weights: its model states "
-        "follow precision='fp32'.")
+        "mixed policies keep float32 weights: for them use "
+        "precision='mixed_float16' or 'mixed_bfloat16'.")
   notes.append(
       "Estimates leave out temporary buffers, the framework's workspace and "
       "fragmentation; keep some headroom.")

@@ -52,8 +52,10 @@ def add_parser(subcommands):
   parser.add_argument("--batch-size", type=int, default=None,
                       help="global batch (default: one sample per device)")
   parser.add_argument("--precision", default="fp32",
-                      help="fp32 (Keras default) or mixed (fp16 weights and "
-                      "gradients, fp32 Adam state, as in the ZeRO paper)")
+                      help="fp32 (Keras default), mixed (fp16 weights and "
+                      "gradients, fp32 Adam state, as in the ZeRO paper), or "
+                      "a Keras policy: mixed_float16 or mixed_bfloat16 "
+                      "(float32 weights, 2-byte activations)")
   parser.add_argument("--optimizer", default=None,
                       help="optimizer name, e.g. adam or sgd (default: the "
                       "model's, else adam)")

@@ -12,6 +12,10 @@ elements over N data-parallel replicas with K optimizer slots per weight
   parameters, 2Ψ fp16 gradients and 4(K+1)Ψ = 12Ψ fp32 state (master
   weights, momentum, variance): 16Ψ per device, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2
   2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N.
+* `precision="mixed_float16"` or `"mixed_bfloat16"` (Keras's mixed
+  policies): float32 weights, gradients and slots, as `"fp32"` (Keras casts
+  each weight to the compute dtype while its layer runs, it keeps no
+  half-precision copy); activations in 2 bytes.
 
 Tensor parallelism of degree t divides the split weights (and their
 gradients and slots) by t; pipeline parallelism of degree p leaves each
@@ -25,10 +29,11 @@ from typing import Optional
 from tfpar.planner import units
 from tfpar.zero import estimate as zero_estimate
 
-PRECISIONS = ("fp32", "mixed")
+PRECISIONS = ("fp32", "mixed", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = ("1f1b", "gpipe")
 # Bytes of one activation element.
-ACTIVATION_BYTES = {"fp32": 4, "mixed": 2}
+ACTIVATION_BYTES = {"fp32": 4, "mixed": 2, "mixed_float16": 2,
+                    "mixed_bfloat16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +154,7 @@ def model_states(trainable, non_trainable, layout, precision="fp32",
       and pipeline splitting).
     non_trainable: other weight elements (kept whole, fp32).
     layout: the `Layout` (its data degree and ZeRO stage, offload).
-    precision: "fp32" or "mixed".
+    precision: one of `PRECISIONS`.
     slots_per_weight: K, optimizer slots per weight (Adam 2).
 
   Example:
@@ -157,11 +162,13 @@ def model_states(trainable, non_trainable, layout, precision="fp32",
   >>> from tfpar.planner.formulas import Layout, model_states
   >>> model_states(10**6, 0, Layout(data=4, zero=3), "mixed")
   (500000, 500000, 3000000, 0)
+  >>> model_states(10**6, 0, Layout(data=4, zero=3), "mixed_bfloat16")
+  (1000000, 1000000, 2000000, 0)
   """
   whole = zero_estimate.estimate_bytes(
       trainable, layout.data, layout.zero, slots_per_weight,
       accumulation=True, bytes_per_element=4)
-  if precision == "fp32":
+  if precision != "mixed":  # Keras keeps float32 weights in every policy.
     parameters, optimizer = whole.parameters, whole.optimizer
     # The ZeRO gradient partitioning is that of accumulation buffers: whole
     # up to stage 1, 1/N from stage 2 on.
@@ -214,7 +221,8 @@ def activation_bytes(kept, inputs, layout, stage, batch_size, precision):
     layout: the `Layout`.
     stage: the stage index.
     batch_size: the global batch.
-    precision: "fp32" (4 bytes per element) or "mixed" (2).
+    precision: "fp32" (4 bytes per element), "mixed" or a Keras mixed
+      policy (2).
 
   Example:
 

@@ -44,7 +44,7 @@ class PlanResult:
     model_name: the model's name.
     devices: N.
     memory_per_device: bytes available on each device.
-    precision: "fp32" or "mixed".
+    precision: "fp32", "mixed", "mixed_float16" or "mixed_bfloat16".
     batch_size: the global batch the activations are estimated for.
     slots_per_weight: optimizer slots per weight.
     candidates: every `Candidate`, fastest first.
@@ -224,5 +224,6 @@ class PlanResult:
         f"Run it: tfpar launch --recipe {path} train.py, or "
         f"tfpar.from_recipe({path!r}).")
     with open(path, "w") as f:
-      f.write(to_recipe.recipe_text(candidate.layout, comment))
+      f.write(to_recipe.recipe_text(candidate.layout, comment,
+                                    self.precision))
     return path

@@ -10,7 +10,7 @@ from tfpar.planner import candidates as candidates_lib
 from tfpar.recipes import schema
 
 
-def recipe_text(layout, comment=""):
+def recipe_text(layout, comment="", precision="fp32"):
   """The TOML recipe that runs `layout` with tfpar.
 
   The mesh sizes are the layout's own (not -1): the recipe runs on the
@@ -20,6 +20,8 @@ def recipe_text(layout, comment=""):
   Args:
     layout: a `tfpar.planner.Layout`.
     comment: text for the file's top comment (one line per line).
+    precision: the plan's precision; a Keras policy (`"mixed_float16"`,
+      `"mixed_bfloat16"`) goes into the recipe's `[training]` table.
 
   Returns:
     The recipe as a string; `tfpar.recipes.load` accepts it.
@@ -67,6 +69,8 @@ def recipe_text(layout, comment=""):
     lines += ["", "[zero]", f"stage = {layout.zero}"]
     if layout.offload:
       lines.append(f'offload = "{layout.offload}"')
+  if precision in schema.PRECISIONS and precision != "float32":
+    lines += ["", "[training]", f'precision = "{precision}"']
   text = "\n".join(lines) + "\n"
   schema.validate(tomllib.loads(text), name=layout.name)  # Our own check.
   return text
