@@ -188,3 +188,41 @@ def test_zero_checkpoint_keeps_the_loss_scale(mixed_float16, tmp_path):
   for a, b in zip(got, wanted):  # Whole Adam moments, as on one device.
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3,
                                err_msg=a.path)
+
+
+def test_zero_refuses_half_precision_weights_before_training():
+  keras.mixed_precision.set_global_policy("float16")
+  try:
+    strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
+                                                     devices=_two_cpus()))
+    with pytest.raises(ValueError, match=r"tfpar.ZeRO shards float32 "
+                       r"weights.*b0_in/kernel.*float16"):
+      _train(strategy, callbacks=[tfpar.ZeRO(stage=3)])
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_float16_and_float32_weights_reduce_in_groups_of_one_dtype():
+  """Stock MirroredStrategy fails on this model ("Tensors in list passed to
+  'values' of 'ConcatV2' Op have types [float32, ..., float16]"): it packs
+  gradients of both dtypes into one tensor."""
+  def run(strategy):
+    with strategy.scope() if strategy else tf.init_scope():
+      inputs = keras.Input((8,))
+      x = keras.layers.Dense(16, activation="tanh", dtype="float16")(inputs)
+      model = keras.Model(inputs, keras.layers.Dense(3)(x))
+      rng = np.random.default_rng(7)
+      model.set_weights([0.3 * rng.normal(size=w.shape)
+                         for w in model.get_weights()])
+      model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    model.fit(x, x[:, :3], batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights()
+  reference = run(None)
+  result = run(tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
+                                                     devices=_two_cpus())))
+  assert [w.dtype for w in result] == [w.dtype for w in reference]
+  for got, want in zip(result, reference):
+    # float16 rounding (and float16 inputs of the float32 layer).
+    tolerance = 2e-3 if want.dtype == np.float16 else 1e-4
+    np.testing.assert_allclose(got, want, atol=tolerance)

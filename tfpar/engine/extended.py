@@ -29,6 +29,7 @@ from tfpar import batches
 from tfpar import keras_hooks
 from tfpar import optimizer_hooks
 from tfpar.engine import bfloat16_gather
+from tfpar.engine import grouping
 from tfpar.engine import merge_free
 
 # Each strategy instance needs its own collective keys (two instances that
@@ -184,15 +185,16 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     return self._column_ops[column]
 
   def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-    columns = [self._column_of(v) for v, _ in value_destination_pairs]
-    if self._mesh.replica_size == 1 or all(c in (0, None) for c in columns):
+    values = [v for v, _ in value_destination_pairs]
+    groups = grouping.reduction_groups([self._column_of(v) for v in values],
+                                       values)
+    if len(groups) == 1 and next(iter(groups))[0] == 0:
       return super()._batch_reduce_to(reduce_op, value_destination_pairs,
                                       options)
     results = [None] * len(value_destination_pairs)
-    for column in dict.fromkeys(columns):
-      indices = [i for i, c in enumerate(columns) if c == column]
+    for (column, _), indices in groups.items():
       pairs = [value_destination_pairs[i] for i in indices]
-      if column in (0, None):
+      if column == 0:
         reduced = super()._batch_reduce_to(reduce_op, pairs, options)
       else:
         reduced = self._column_cross_device_ops(column).batch_reduce(

@@ -24,6 +24,8 @@ import threading
 import tensorflow as tf
 from tensorflow.python.util import nest
 
+from tfpar.engine import grouping
+
 
 class MergeFreeUpdates:
   """Mixin of `MeshExtended`: the strategy's no-`merge_call` mode, per
@@ -58,13 +60,13 @@ class MergeFreeUpdates:
     if not self.merge_free_active():
       return super()._replica_ctx_all_reduce(reduce_op, value, options)
     flat = nest.flatten(value)
-    columns = [self._column_of(v) or 0 for v in flat]
+    groups = grouping.reduction_groups([self._column_of(v) for v in flat],
+                                       flat)
     replica_id = tf.distribute.get_replica_context()._replica_id  # pylint: disable=protected-access
     options = self._communication_options.merge(
         options or tf.distribute.experimental.CommunicationOptions())
     results = [None] * len(flat)
-    for column in dict.fromkeys(columns):
-      indices = [i for i, c in enumerate(columns) if c == column]
+    for (column, _), indices in groups.items():
       ops = (self._cross_device_ops if column == 0 else
              self._column_cross_device_ops(column))
       reduced = ops._all_reduce(  # pylint: disable=protected-access

@@ -84,6 +84,7 @@ class ZeRO(keras.callbacks.Callback):
           "tfpar.ZeRO needs compiled steps (its collectives cannot be "
           "launched from eager replica functions one after another). "
           "Received: run_eagerly=True; compile with run_eagerly=False.")
+    _check_float32_weights(model)
     # A LossScaleOptimizer (mixed_float16) keeps its scale whole; the
     # optimizer it wraps is sharded.
     inner = getattr(optimizer, "inner_optimizer", optimizer)
@@ -105,6 +106,19 @@ class ZeRO(keras.callbacks.Callback):
           "it (fit was looked up before tfpar installed its hook). Import "
           "tfpar after keras, or create the strategy or the ZeRO callback "
           "before calling fit.")
+
+
+def _check_float32_weights(model):
+  """ZeRO keeps float32 master slices; half-precision variables (a
+  "float16" or "bfloat16" policy, not a mixed one) are refused."""
+  for variable in model.trainable_variables:
+    if variable.dtype != "float32":
+      raise ValueError(
+          f"tfpar.ZeRO shards float32 weights (Keras's mixed policies keep "
+          f"them float32); weight {variable.path!r} is {variable.dtype}, "
+          f"whose update ZeRO cannot make exact. Use the 'mixed_float16' or "
+          f"'mixed_bfloat16' policy, or no ZeRO. Received: "
+          f"{variable.path}.dtype={variable.dtype}")
 
 
 keras_hooks.install_fit_preparation()
