@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import stock_strategies
 import tfpar
 
 
@@ -59,7 +60,7 @@ def _difference(result, reference):
 def test_mixed_float16_pipeline_within_the_spread_of_mirrored(mixed_float16):
   del mixed_float16
   reference = _train(None)
-  mirrored = _train(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+  mirrored = _train(stock_strategies.mirrored(["/cpu:0", "/cpu:1"]))
   pipeline = _train(tfpar.PipelineParallelStrategy(
       tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2))
   spread_loss, spread_weights = _difference(mirrored, reference)
@@ -76,7 +77,7 @@ def test_zero3_gathers_bfloat16_and_trains_like_mirrored():
   keras.mixed_precision.set_global_policy("mixed_bfloat16")
   try:
     reference = _train(None)
-    mirrored = _train(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    mirrored = _train(stock_strategies.mirrored(["/cpu:0", "/cpu:1"]))
     strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
                                                      devices=_two_cpus()))
     with tfpar.CommunicationLog() as log:
@@ -103,7 +104,7 @@ def test_zero3_gathers_bfloat16_and_trains_like_mirrored():
 def test_zero_with_loss_scaling_trains_like_mirrored(mixed_float16, stage):
   del mixed_float16
   reference = _train(None)
-  mirrored = _train(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+  mirrored = _train(stock_strategies.mirrored(["/cpu:0", "/cpu:1"]))
   strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
                                                    devices=_two_cpus()))
   zero = _train(strategy, callbacks=[tfpar.ZeRO(stage=stage)])
@@ -226,3 +227,33 @@ def test_float16_and_float32_weights_reduce_in_groups_of_one_dtype():
     # float16 rounding (and float16 inputs of the float32 layer).
     tolerance = 2e-3 if want.dtype == np.float16 else 1e-4
     np.testing.assert_allclose(got, want, atol=tolerance)
+
+
+def _growing_scale_run(strategy, callbacks=None):
+  """Six steps with a loss scale that doubles every 2 finite steps."""
+  with strategy.scope() if strategy else tf.init_scope():
+    model = _chain()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), dynamic_growth_steps=2), loss="mse")
+  x = np.random.default_rng(0).normal(size=(96, 8)).astype("float32")
+  model.fit(x, x[:, :3], batch_size=16, epochs=1, shuffle=False, verbose=0,
+            callbacks=callbacks)
+  return model.get_weights(), float(model.optimizer.dynamic_scale.numpy())
+
+
+def test_the_loss_scale_grows_as_on_one_device(mixed_float16):
+  del mixed_float16
+  reference = _growing_scale_run(None)
+  assert reference[1] == 2.0 ** 15 * 2 ** 3  # 6 finite steps.
+  for strategy, callbacks in (
+      (tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
+                                             devices=_two_cpus())), None),
+      (tfpar.PipelineParallelStrategy(tfpar.Mesh({"data": 2, "pipeline": 2}),
+                                      num_microbatches=2), None),
+      (tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
+                                             devices=_two_cpus())),
+       [tfpar.ZeRO(stage=2)])):
+    weights, scale = _growing_scale_run(strategy, callbacks)
+    assert scale == reference[1]
+    assert max(float(np.abs(a - b).max())
+               for a, b in zip(weights, reference[0])) < 1e-3

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dp_common
+import stock_strategies
 
 TOLERANCE = 1e-5
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "dp_worker.py")
@@ -147,7 +148,7 @@ def test_two_workers_under_a_mixed_policy_train_like_mirrored(tmp_path,
   try:
     reference = dp_common.build_model()
     history = dp_common.fit(reference, x, y)
-    with tf.distribute.MirroredStrategy(
+    with stock_strategies.mirrored(
         [d.name for d in tf.config.list_logical_devices("CPU")]).scope():
       mirrored = dp_common.build_model()
     mirrored_history = dp_common.fit(mirrored, x, y)

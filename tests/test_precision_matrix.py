@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import stock_strategies
 import tfpar
 import tp_common
 
@@ -55,7 +56,7 @@ def _train(policy, layout=None):
     if layout is None:
       strategy, callbacks = None, []
     elif layout == "mirrored":
-      strategy = tf.distribute.MirroredStrategy(tfpar.Mesh().devices[:2])
+      strategy = stock_strategies.mirrored(tfpar.Mesh().devices[:2])
       callbacks = []
     else:
       strategy, callbacks = LAYOUTS[layout]()

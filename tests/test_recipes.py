@@ -19,6 +19,7 @@ from recipe_common import EXAMPLE
 from recipe_common import fit_losses
 from recipe_common import ROOT
 from recipe_common import ROWS
+import stock_strategies
 
 STRATEGIES = os.path.join(ROOT, "strategies")
 ISSUE_RECIPES = {"data_parallel", "zero1", "zero2", "zero3", "zero_offload",
@@ -95,7 +96,6 @@ def test_a_training_recipe_sets_the_policy_and_the_accumulation():
   that only calls from_recipe(); it trains as one device with the same
   settings, within the spread of stock MirroredStrategy vs one device."""
   import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   try:
     setup = recipes.from_recipe("zero2_bf16_accumulate")
     _assert_built_as_declared(setup)
@@ -105,7 +105,7 @@ def test_a_training_recipe_sets_the_policy_and_the_accumulation():
     training = [c for c in callbacks if isinstance(c, recipes.RecipeTraining)]
     reference = fit_losses(None, [recipes.RecipeTraining(setup.recipe)])
     without = fit_losses(None)  # No accumulation: a different model.
-    mirrored = fit_losses(tf.distribute.MirroredStrategy(
+    mirrored = fit_losses(stock_strategies.mirrored(
         tfpar.Mesh().devices))
   finally:
     keras.mixed_precision.set_global_policy("float32")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import stock_strategies
 import tfpar
 import tp_common
 from tfpar.zero import sparse_gradients
@@ -43,7 +44,7 @@ def _train(strategy=None, callbacks=()):
 
 @functools.cache
 def _mirrored():
-  return _train(tf.distribute.MirroredStrategy(tfpar.Mesh().devices[:2]))
+  return _train(stock_strategies.mirrored(tfpar.Mesh().devices[:2]))
 
 
 def _difference(result, reference):

@@ -115,4 +115,3 @@ def _is_array_like(x):
       isinstance(x, (list, tuple, dict)) and x and all(
           hasattr(v, "shape") for v in (x.values() if isinstance(x, dict)
                                         else x)))
-

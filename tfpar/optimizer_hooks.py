@@ -90,7 +90,6 @@ def install_accumulation_without_merge_call():
   _installed.add("accumulation")
 
 
-
 def install_global_overflow_check():
   """Patches `LossScaleOptimizer.check_finite` to decide, under a tfpar
   strategy, from the gradients of every replica."""
@@ -103,7 +102,7 @@ def install_global_overflow_check():
   def _check_finite(self, grads):
     finite = check_finite(self, grads)
     context = tf.distribute.get_replica_context()
-    if _merge_free_scope() is None or context is None:
+    if _merge_free_scope() is None or context is None:  # Not tfpar's.
       return finite
     overflows = context.all_reduce(
         tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite),
