@@ -4,12 +4,15 @@ optimizer step (each micro-step only adds to the replica's own
 accumulators), counted at run time with an independent counter on every
 collective the optimizer's update launches."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import collective_count
+import stock_strategies
 import tfpar
 
 STEPS_PER_EPOCH, EPOCHS, BATCH = 6, 3, 16
@@ -133,3 +136,49 @@ def test_gradients_cross_replicas_once_per_optimizer_step(layout):
         f"{per_step[0][1]:.0f} bytes (all replicas); accumulation k=2: "
         f"{counts[2][0]} all-reduces over {micro_steps} micro-steps, "
         f"none k=0: {counts[0][0]}")
+
+
+MIXED_LAYOUTS = {
+    "data 4": (LAYOUTS["data 4"], None),
+    "pipeline 2 x tensor 2": (LAYOUTS["pipeline 2 x tensor 2"], None),
+    **{f"ZeRO-{stage}": (LAYOUTS["data 4"], stage) for stage in (1, 2, 3)},
+}
+
+
+def _mixed_float16_train(strategy, optimizer, callbacks=None):
+  """Losses and weights of `_train` under mixed_float16."""
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    return _train(strategy, optimizer, callbacks)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@functools.cache
+def _mixed_float16_spread():
+  """(one device with k=2, loss and weight spread of stock Mirrored on 4
+  CPUs vs one device without accumulation), all under mixed_float16.
+  (Stock Mirrored cannot accumulate: keras-team/keras#17429.)"""
+  reference = _mixed_float16_train(None, _adam())
+  spread = _difference(
+      _mixed_float16_train(stock_strategies.mirrored(tfpar.Mesh().devices),
+                           _adam(0)),
+      _mixed_float16_train(None, _adam(0)))
+  return reference, spread
+
+
+@pytest.mark.parametrize("layout", sorted(MIXED_LAYOUTS))
+def test_accumulation_with_loss_scaling_trains_like_one_device(layout):
+  # Under mixed_float16 Keras wraps the accumulating Adam in a
+  # LossScaleOptimizer; its scale and the accumulators must agree.
+  make_strategy, stage = MIXED_LAYOUTS[layout]
+  reference, (spread_loss, spread_weights) = _mixed_float16_spread()
+  callbacks = [tfpar.ZeRO(stage=stage)] if stage else None
+  loss, weights = _difference(
+      _mixed_float16_train(make_strategy(), _adam(), callbacks), reference)
+  print(f"mixed_float16, k=2, {layout}: loss {loss:.1e} weights "
+        f"{weights:.1e}; mirrored spread {spread_loss:.1e} / "
+        f"{spread_weights:.1e}")
+  assert loss <= 2 * spread_loss + 1e-5, (layout, loss, spread_loss)
+  assert weights <= 2 * spread_weights + 1e-5, (layout, weights,
+                                                spread_weights)
