@@ -38,12 +38,11 @@ LAYOUTS = {
         tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2), []),
     "pipeline 2 x tensor 2": lambda: (tfpar.PipelineParallelStrategy(
         tfpar.Mesh({"pipeline": 2, "tensor": 2}), num_microbatches=2), []),
-    "ZeRO-1": lambda: (tfpar.DataParallelStrategy(_data2()),
-                       [tfpar.ZeRO(stage=1)]),
-    "ZeRO-2, offload": lambda: (tfpar.DataParallelStrategy(_data2()),
-                                [tfpar.ZeRO(stage=2, offload="cpu")]),
-    "ZeRO-3": lambda: (tfpar.DataParallelStrategy(_data2()),
-                       [tfpar.ZeRO(stage=3)]),
+    # Every stage with offload here; without offload in test_mixed_precision.
+    **{f"ZeRO-{stage}, offload": functools.partial(
+        lambda stage: (tfpar.DataParallelStrategy(_data2()),
+                       [tfpar.ZeRO(stage=stage, offload="cpu")]), stage)
+       for stage in (1, 2, 3)},
     "data 2 x tensor 2, ZeRO-2": lambda: (tfpar.TensorParallelStrategy(
         tfpar.Mesh({"data": 2, "tensor": 2})), [tfpar.ZeRO(stage=2)]),
 }
