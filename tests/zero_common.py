@@ -11,7 +11,8 @@ import dp_common
 import tfpar
 
 
-# Every stage under tf.distribute.MirroredStrategy; prints per stage the
+# Every stage under a new tf.distribute.MirroredStrategy, after another
+# stock strategy trained in the same process; prints per stage the
 # largest loss and weight differences from one device and the last slot's
 # shape. Run in a process of its own (argv[1]: the tests directory).
 STOCK_MIRRORED_SCRIPT = """
@@ -24,9 +25,12 @@ make = lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0)
 x, y = dp_common.make_data()
 reference = model_under(make)
 expected = dp_common.fit(reference, x, y)["loss"]
-strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
+devices = [f"/cpu:{i}" for i in range(4)]
+# A stock strategy trained earlier in the process (a notebook's first cell):
+# every stock MirroredStrategy takes the same collective keys.
+dp_common.fit(model_under(make, tf.distribute.MirroredStrategy(devices)), x, y)
 for stage in (1, 2, 3):
-  zero = model_under(make, strategy)
+  zero = model_under(make, tf.distribute.MirroredStrategy(devices))
   losses = dp_common.fit_one_iterator(zero, x, y,
                                       callbacks=[tfpar.ZeRO(stage=stage)])
   print(stage, max(abs(a - b) for a, b in zip(losses["loss"], expected)),

@@ -8,30 +8,55 @@ sum, which moves the same bytes. Every op is recorded in open
 `tfpar.CommunicationLog`s with the bytes this device sends.
 """
 
+import weakref
+
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.ops import collective_ops
 
+from tfpar import engine
 from tfpar.tensor_parallel import instrument
 
 OPTIMIZER = "optimizer"  # Phase of the collectives of the update step.
 
 
-def _launcher(context, column=None):
-  extended = context.strategy.extended
+def _strategy_ops(strategy, column):
+  """The strategy's own `CollectiveAllReduce` for `column`."""
+  extended = strategy.extended
   if column:  # Shard `column` of a tensor-parallel weight.
-    ops = extended._column_cross_device_ops(column)  # pylint: disable=protected-access
-    return ops._launchers[context._replica_id]  # pylint: disable=protected-access
+    return extended._column_cross_device_ops(column)  # pylint: disable=protected-access
   for name in ("_collective_ops", "_cross_device_ops",
                "_inferred_cross_device_ops"):
     ops = getattr(extended, name, None)
     if isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
-      return ops._launchers[context._replica_id]  # pylint: disable=protected-access
+      return ops
   raise ValueError(
       f"tfpar.ZeRO needs a strategy that runs collective ops "
       f"(MirroredStrategy, MultiWorkerMirroredStrategy or a tfpar "
-      f"strategy); {type(context.strategy).__name__} uses "
+      f"strategy); {type(strategy).__name__} uses "
       f"{type(getattr(extended, '_cross_device_ops', None)).__name__}.")
+
+
+# ZeRO's collectives run in groups of their own, over the strategy's devices
+# but with collective keys from tfpar's range: every stock MirroredStrategy
+# takes group key 1, so ZeRO's all-to-alls would otherwise share instance
+# keys with another stock strategy's all-reduces in the same process
+# ("Collective instance 100 expected type 0 ... but got type 4").
+_zero_ops = weakref.WeakKeyDictionary()  # extended -> {column: ops}
+
+
+def _launcher(context, column=None):
+  column = column or None  # 0 and None: the replica heads.
+  per_column = _zero_ops.setdefault(context.strategy.extended, {})
+  if column not in per_column:
+    ops = _strategy_ops(context.strategy, column)
+    keys = cross_device_utils.CollectiveKeys(
+        group_key_start=1 + engine.next_collective_key_base())
+    per_column[column] = cross_device_ops_lib.CollectiveAllReduce(
+        devices=ops._devices, group_size=ops._group_size,  # pylint: disable=protected-access
+        options=ops._options, collective_keys=keys)  # pylint: disable=protected-access
+  return per_column[column]._launchers[context._replica_id]  # pylint: disable=protected-access
 
 
 def all_gather(flat_slice, phase, name, column=None):
