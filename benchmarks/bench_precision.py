@@ -43,11 +43,7 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser, runs=5, steps=30)
   common.add_global_batch_flag(parser, 32, unit="sequences")
-  parser.add_argument("--sequence", type=int, default=64)
-  parser.add_argument("--width", type=int, default=128)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--blocks", type=int, default=2)
-  parser.add_argument("--vocab", type=int, default=96)
+  common.add_gpt_flags(parser)
   return common.parse_checked(parser, argv, batch_multiple=NUM_DEVICES)
 
 

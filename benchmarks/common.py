@@ -37,6 +37,16 @@ def add_global_batch_flag(parser, default, unit="samples"):
                       help=f"{unit} per step (default {default})")
 
 
+def add_gpt_flags(parser):
+  """The shape of the small GPT the tensor-parallel and precision
+  benchmarks train: --sequence, --width, --heads, --blocks, --vocab."""
+  parser.add_argument("--sequence", type=int, default=64)
+  parser.add_argument("--width", type=int, default=128)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--blocks", type=int, default=2)
+  parser.add_argument("--vocab", type=int, default=96)
+
+
 def parse_checked(parser, argv=None, batch_multiple=None):
   """`parser.parse_args(argv)`, refusing `--steps <= --skip-steps`, and a
   `--global-batch` that is not a multiple of `batch_multiple`."""
