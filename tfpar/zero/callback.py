@@ -4,6 +4,7 @@ import keras
 
 from tfpar import keras_hooks
 from tfpar.zero import checkpoint
+from tfpar.zero import collectives
 from tfpar.zero import sharded_optimizer
 from tfpar.zero import sharded_weights
 
@@ -36,9 +37,15 @@ class ZeRO(keras.callbacks.Callback):
     stage: 1, 2 or 3.
     offload: None, or "cpu" to keep the optimizer state, and run its
       update, on the host CPU of each worker.
+    bucket_bytes: the most bytes of gradients (or of updated weight
+      slices) that one collective of the update step carries; the update
+      sends its tensors in as few collectives as this allows (DeepSpeed's
+      `reduce_bucket_size`). Larger buckets mean fewer, larger messages
+      and a larger temporary copy.
 
   Raises:
-    ValueError: an unknown stage or offload.
+    ValueError: an unknown stage or offload, or a bucket size that is not
+      a positive integer.
 
   Example:
 
@@ -51,7 +58,8 @@ class ZeRO(keras.callbacks.Callback):
   ...                     callbacks=[tfpar.ZeRO(stage=2)])
   """
 
-  def __init__(self, stage=1, offload=None):
+  def __init__(self, stage=1, offload=None,
+               bucket_bytes=collectives.DEFAULT_BUCKET_BYTES):
     super().__init__()
     if stage not in _STAGES:
       raise ValueError(
@@ -61,8 +69,14 @@ class ZeRO(keras.callbacks.Callback):
       raise ValueError(
           f"tfpar.ZeRO: offload must be None or 'cpu'. Received: "
           f"offload={offload!r}.")
+    if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+        or bucket_bytes <= 0):
+      raise ValueError(
+          f"tfpar.ZeRO: bucket_bytes must be a positive integer (bytes). "
+          f"Received: bucket_bytes={bucket_bytes!r}.")
     self.stage = stage
     self.offload = offload
+    self.bucket_bytes = bucket_bytes
     keras_hooks.install_fit_preparation()
 
   def prepare_fit(self, model):
@@ -89,7 +103,8 @@ class ZeRO(keras.callbacks.Callback):
     # optimizer it wraps is sharded.
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     sharded_optimizer.check_shardable(inner, strategy)
-    state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy)
+    state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
+                                        self.bucket_bytes)
     if self.stage == 3:
       sharded_weights.shard(model, state)
       sharded_weights.regather_in_backward(model)

@@ -6,6 +6,14 @@ TensorFlow has no reduce-scatter kernel on CPU (`CollectiveReduceScatterV2`
 is GPU-only), so the reduce-scatter is an all-to-all followed by a local
 sum, which moves the same bytes. Every op is recorded in open
 `tfpar.CommunicationLog`s with the bytes this device sends.
+
+The optimizer step's collectives are bucketed (`reduce_scatter_many`,
+`all_gather_many`): the weights' slices travel together in one op per
+bucket. Besides fewer, larger messages, this keeps memory flat: TensorFlow
+gives each collective launch a new instance key, and its runtime keeps a
+record per key for the life of the process (about 300 bytes per key and
+device, measured), so per-weight collectives grew the process by that much
+per weight and step.
 """
 
 import weakref
@@ -19,6 +27,8 @@ from tfpar import engine
 from tfpar.tensor_parallel import instrument
 
 OPTIMIZER = "optimizer"  # Phase of the collectives of the update step.
+# Bucket size of the update step's collectives (PyTorch DDP's is 25 MB).
+DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 
 def _strategy_ops(strategy, column):
@@ -53,10 +63,34 @@ def _launcher(context, column=None):
     ops = _strategy_ops(context.strategy, column)
     keys = cross_device_utils.CollectiveKeys(
         group_key_start=1 + engine.next_collective_key_base())
-    per_column[column] = cross_device_ops_lib.CollectiveAllReduce(
+    group = cross_device_ops_lib.CollectiveAllReduce(
         devices=ops._devices, group_size=ops._group_size,  # pylint: disable=protected-access
         options=ops._options, collective_keys=keys)  # pylint: disable=protected-access
+    if ops._group_size == len(ops._devices):  # pylint: disable=protected-access
+      for launcher in group._launchers:  # pylint: disable=protected-access
+        launcher._next_instance_key = _trace_time_key(launcher)  # pylint: disable=protected-access
+    per_column[column] = group
   return per_column[column]._launchers[context._replica_id]  # pylint: disable=protected-access
+
+
+def _trace_time_key(launcher):
+  """Instance keys fixed when the step is traced, for a group whose devices
+  are all in this process.
+
+  TensorFlow feeds each collective a new instance key at every call
+  (`capture_call_time_value`), because workers may retrace a function at
+  different times, and its runtime keeps a record per key for the life of
+  the process: about 300 bytes per key and device, every step. In one
+  process every replica is traced in the same trace, so keys fixed at
+  trace time agree, and each call of the traced step reuses them (one
+  call runs after another, as graph-mode TensorFlow ran its collectives).
+  """
+  def next_instance_key():
+    key = launcher._collective_keys.get_instance_key(  # pylint: disable=protected-access
+        launcher._group_key, launcher._device)  # pylint: disable=protected-access
+    with tf.device("CPU:0"):
+      return tf.constant(key, tf.int32)
+  return next_instance_key
 
 
 def all_gather(flat_slice, phase, name, column=None):
@@ -93,6 +127,97 @@ def reduce_scatter(flat, phase, name, column=None):
         chunks, launcher._group_size, launcher._group_key, instance_key,  # pylint: disable=protected-access
         ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
     return tf.reduce_sum(tf.reshape(received, [count, -1]), axis=0)
+
+
+def buckets(flats, columns, bucket_bytes):
+  """Groups of indices of `flats` that can travel in one collective: same
+  device column and dtype, in order, each group at most `bucket_bytes`
+  (a single larger tensor forms a group of its own).
+
+  Example:
+
+  >>> flats = [tf.zeros([4]), tf.zeros([4], tf.int32), tf.zeros([4])]
+  >>> buckets(flats, [None, None, None], bucket_bytes=64)
+  [[0, 2], [1]]
+  >>> buckets(flats, [None, None, None], bucket_bytes=16)
+  [[0], [1], [2]]
+  """
+  open_groups, groups = {}, []  # (column, dtype) -> (indices, bytes)
+  for index, (flat, column) in enumerate(zip(flats, columns)):
+    key = (column or None, flat.dtype)
+    size = flat.shape.num_elements() * flat.dtype.size
+    members, used = open_groups.get(key, (None, 0))
+    if members is None or used + size > bucket_bytes:
+      members, used = [], 0
+      groups.append(members)
+    members.append(index)
+    open_groups[key] = (members, used + size)
+  return groups
+
+
+def reduce_scatter_many(flats, phase, names, columns, bucket_bytes):
+  """`reduce_scatter` of each of `flats`, bucketed (see `buckets`): one
+  all-to-all per bucket.
+
+  Args:
+    flats: vectors whose lengths are multiples of the replica count.
+    phase: as for `all_gather`.
+    names: each vector's weight path (for the log).
+    columns: each vector's device column (see `all_gather`).
+    bucket_bytes: the most bytes of `flats` one collective carries.
+
+  Returns:
+    This replica's slice of the sum over replicas of each vector.
+  """
+  context = tf.distribute.get_replica_context()
+  count = context.num_replicas_in_sync
+  results = [None] * len(flats)
+  for group in buckets(flats, columns, bucket_bytes):
+    chunks = [tf.reshape(flats[i], [count, -1]) for i in group]
+    for i, chunk in zip(group, chunks):
+      instrument.record("reduce-scatter", phase,
+                        instrument.moved_bytes(chunk[0], count - 1), names[i])
+    launcher = _launcher(context, columns[group[0]])
+    joined = tf.concat(chunks, axis=1) if len(chunks) > 1 else chunks[0]
+    instance_key = launcher._next_instance_key()  # pylint: disable=protected-access
+    with tf.device(launcher._device):  # pylint: disable=protected-access
+      received = collective_ops.all_to_all_v2(
+          joined, launcher._group_size,  # pylint: disable=protected-access
+          launcher._group_key, instance_key,  # pylint: disable=protected-access
+          ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+      summed = tf.reduce_sum(tf.reshape(received, [count, -1]), axis=0)
+      pieces = tf.split(summed, [c.shape[1] for c in chunks])
+    for i, piece in zip(group, pieces):
+      results[i] = piece
+  return results
+
+
+def all_gather_many(pieces, phase, names, columns, bucket_bytes):
+  """`all_gather` of each of `pieces` (this replica's slices), bucketed
+  (see `buckets`): one all-gather per bucket; arguments as for
+  `reduce_scatter_many`.
+
+  Returns:
+    For each slice, every replica's slice concatenated in replica order.
+  """
+  context = tf.distribute.get_replica_context()
+  count = context.num_replicas_in_sync
+  results = [None] * len(pieces)
+  for group in buckets(pieces, columns, bucket_bytes):
+    for i in group:
+      instrument.record("all-gather", phase,
+                        instrument.moved_bytes(pieces[i], count - 1),
+                        names[i])
+    launcher = _launcher(context, columns[group[0]])
+    parts = [pieces[i] for i in group]
+    joined = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+    gathered = launcher._all_gather(joined, None)  # pylint: disable=protected-access
+    with tf.device(launcher._device):  # pylint: disable=protected-access
+      per_replica = tf.split(tf.reshape(gathered, [count, -1]),
+                             [p.shape[0] for p in parts], axis=1)
+      for i, whole in zip(group, per_replica):
+        results[i] = tf.reshape(whole, [-1])
+  return results
 
 
 def all_reduce_sum(values, phase, name):

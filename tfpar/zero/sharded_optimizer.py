@@ -57,6 +57,7 @@ class ZeroState:
   stage: int
   offload: object
   strategy: object
+  bucket_bytes: int = collectives.DEFAULT_BUCKET_BYTES
   entries: dict = dataclasses.field(default_factory=dict)  # id(weight)
   slot_references: dict = dataclasses.field(default_factory=dict)  # id(slot)
 
@@ -184,34 +185,28 @@ def shard(optimizer, state):
 
 def _apply_sharded(optimizer, state, grads, variables):
   entries = [state.entries[id(v)] for v in variables]
-  phase = collectives.OPTIMIZER
   if state.stage == 3:  # The tape's gradients are reduced slices.
-    reduce = lambda g, e: tf.convert_to_tensor(g) if _clips(optimizer) else g
+    reduce = lambda gs: [tf.convert_to_tensor(g) if _clips(optimizer) else g
+                         for g in gs]
   else:
-    reduce = lambda g, e: collectives.reduce_scatter(
-        slices.padded_flat(g, e.size * state.replicas), phase, e.weight.path,
-        e.column)
+    reduce = lambda gs: _reduce_scattered(state, gs, entries)
   steps = optimizer.gradient_accumulation_steps
   if not steps:
     if state.stage != 3 and not _clips(optimizer):
-      dense = reduce  # Sparse gradients as MirroredStrategy applies them.
-      reduce = lambda g, e: (sparse_gradients.sliced_sparse_gradient(
-          g, e.weight.shape, e.weight.path, e.column, e.size) if isinstance(
-              g, tf.IndexedSlices) else dense(g, e))
+      # Sparse gradients as MirroredStrategy applies them.
+      reduce = lambda gs: _reduce_scattered(state, gs, entries, sparse=True)
     optimizer._backend_update_step(  # pylint: disable=protected-access
-        [reduce(g, e) for g, e in zip(grads, entries)], variables,
-        optimizer.learning_rate)
+        reduce(grads), variables, optimizer.learning_rate)
     return
   accumulators = [slices.local_component(
       optimizer._accumulated_gradients[optimizer._get_variable_index(v)])  # pylint: disable=protected-access
                   for v in variables]
   if state.stage != 1:
-    grads = [reduce(g, e) for g, e in zip(grads, entries)]
-    reduce = lambda g, e: g
+    grads = reduce(grads)
+    reduce = lambda gs: gs
 
   def update():
-    totals = [reduce((g + a) / steps, e)
-              for g, a, e in zip(grads, accumulators, entries)]
+    totals = reduce([(g + a) / steps for g, a in zip(grads, accumulators)])
     optimizer._backend_update_step(totals, variables, optimizer.learning_rate)  # pylint: disable=protected-access
     for accumulator in accumulators:
       accumulator.assign(tf.zeros_like(accumulator))
@@ -222,6 +217,28 @@ def _apply_sharded(optimizer, state, grads, variables):
 
   is_update_step = (optimizer._iterations + 1) % steps == 0  # pylint: disable=protected-access
   tf.cond(is_update_step, update, accumulate)
+
+
+def _reduce_scattered(state, grads, entries, sparse=False):
+  """Each replica's slice of the summed gradients, dense ones bucketed; with
+  `sparse`, `IndexedSlices` stay sparse (see `sparse_gradients`)."""
+  phase = collectives.OPTIMIZER
+  reduced = [None] * len(grads)
+  dense = []
+  for index, (grad, entry) in enumerate(zip(grads, entries)):
+    if sparse and isinstance(grad, tf.IndexedSlices):
+      reduced[index] = sparse_gradients.sliced_sparse_gradient(
+          grad, entry.weight.shape, entry.weight.path, entry.column,
+          entry.size)
+    else:
+      dense.append(index)
+  flats = collectives.reduce_scatter_many(
+      [slices.padded_flat(grads[i], entries[i].size * state.replicas)
+       for i in dense], phase, [entries[i].weight.path for i in dense],
+      [entries[i].column for i in dense], state.bucket_bytes)
+  for index, flat in zip(dense, flats):
+    reduced[index] = flat
+  return reduced
 
 
 def _clips(optimizer):
@@ -271,12 +288,16 @@ def _update(optimizer, state, entries, grad_slices):
         decay = tf.cast(optimizer.weight_decay, piece.dtype)
         piece.assign(piece - piece * decay * rate)
       optimizer.update_step(grad, piece, learning_rate)
-    if state.stage != 3:
-      whole = collectives.all_gather(tf.convert_to_tensor(piece.value),
-                                     collectives.OPTIMIZER, weight.path,
-                                     entry.column)
-      slices.local_component(weight).assign(tf.reshape(
-          whole[:weight.shape.num_elements()], weight.shape))
+  if state.stage == 3:
+    return
+  wholes = collectives.all_gather_many(
+      [tf.convert_to_tensor(e.slice.value) for e in entries],
+      collectives.OPTIMIZER, [e.weight.path for e in entries],
+      [e.column for e in entries], state.bucket_bytes)
+  for entry, whole in zip(entries, wholes):
+    weight = entry.weight
+    slices.local_component(weight).assign(tf.reshape(
+        whole[:weight.shape.num_elements()], weight.shape))
 
 
 def _clip(optimizer, entries, grad_slices):
