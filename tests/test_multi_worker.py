@@ -43,6 +43,7 @@ def reference():
       "evaluate": model.evaluate(x, y, batch_size=32, verbose=0),
       "predict": model.predict(x[:100], batch_size=32, verbose=0),
       "weights": model.get_weights(),
+      "optimizer": [v.numpy() for v in model.optimizer.variables],
   }
 
 
@@ -75,11 +76,7 @@ def test_two_workers_fit_equals_one_device(tmp_path, reference):
   assert results[0]["history"] == results[1]["history"]
 
   # Weights saved by the chief load into a model with no strategy.
-  model = dp_common.build_model(seed=5)
-  model.load_weights(str(tmp_path / "weights.weights.h5"))
-  x, _ = dp_common.make_data()
-  np.testing.assert_allclose(model.predict(x[:100], verbose=0),
-                             reference["predict"], atol=TOLERANCE)
+  _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
 
 
 def test_killed_worker_resumes_from_backup(tmp_path, reference):
@@ -97,6 +94,41 @@ def test_killed_worker_resumes_from_backup(tmp_path, reference):
     assert len(result["history"]["loss"]) == 1  # Resumed at the third epoch.
     _assert_matches_reference(result, reference, epochs=slice(2, 3))
   assert not os.path.exists(backup)  # The chief cleaned up after success.
+
+
+def _assert_checkpoint_holds(path, reference):
+  """A checkpoint of the workers loads into one device with no strategy,
+  weights and optimizer state equal to one-device training."""
+  model = dp_common.build_model(seed=5)
+  model.optimizer.build(model.trainable_variables)
+  model.load_weights(path)
+  for got, want in zip(model.get_weights(), reference["weights"]):
+    np.testing.assert_allclose(got, want, atol=TOLERANCE)
+  assert len(model.optimizer.variables) == len(reference["optimizer"])
+  for got, want in zip(model.optimizer.variables, reference["optimizer"]):
+    np.testing.assert_allclose(got.numpy(), want, atol=TOLERANCE,
+                               err_msg=got.path)
+
+
+def test_killed_zero3_worker_resumes_and_saves_whole_state(tmp_path,
+                                                          reference):
+  """ZeRO-3 over 2 workers: each holds half of the weights and of Adam's
+  state, yet backups, checkpoints and the final save hold whole tensors,
+  and a killed job resumes from them."""
+  backup = str(tmp_path / "backup")
+  crashed = _launch(str(tmp_path), "--zero-stage", "3", "--backup", backup,
+                    "--die-in-epoch", "2")
+  assert crashed.returncode == 17, crashed.stdout[-4000:]
+  assert sorted(os.listdir(backup + "_ckpt")) == ["e1.weights.h5",
+                                                  "e2.weights.h5"]
+  resumed = _launch(str(tmp_path), "--zero-stage", "3", "--backup", backup)
+  assert resumed.returncode == 0, resumed.stdout[-4000:]
+  for result in _results(tmp_path):
+    assert len(result["history"]["loss"]) == 1  # Resumed at the third epoch.
+    _assert_matches_reference(result, reference, epochs=slice(2, 3))
+    # Adam's moments of the 8 x 32 kernel: 256 / 4 replicas per device.
+    assert [64] in result["optimizer_shapes"]
+  _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
 
 
 def test_single_task_tf_config_job(tmp_path, reference):
@@ -118,6 +150,7 @@ def test_two_workers_with_zero_stage2_equal_one_device(tmp_path, reference):
     assert [64] in result["optimizer_shapes"]
     assert [8, 32] not in result["optimizer_shapes"]
   assert results[0]["weights"] == results[1]["weights"]
+  _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
 
 
 def test_two_workers_accumulating_gradients_equal_one_device(tmp_path):

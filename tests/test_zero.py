@@ -260,6 +260,16 @@ def test_stage3_weights_read_whole_outside_replicas(adam_runs):
     ({"stage": 4}, r"stage must be one of \(1, 2, 3\). Received: stage=4"),
     ({"stage": 1, "offload": "nvme"},
      r"offload must be None or 'cpu'. Received: offload='nvme'"),
+    ({"bucket_bytes": 0},
+     r"bucket_bytes must be a positive integer \(bytes\). Received: "
+     r"bucket_bytes=0"),
+    ({"bucket_bytes": True}, r"Received: bucket_bytes=True"),
+    ({"load_from": "model.h5"},
+     r"load_from must be a '.weights.h5' or '.keras' file. Received: "
+     r"load_from='model.h5'"),
+    ({"load_from": "/nowhere/model.weights.h5"},
+     r"load_from must name an existing file. Received: "
+     r"load_from='/nowhere/model.weights.h5'"),
 ])
 def test_unknown_settings_are_refused(kwargs, message):
   with pytest.raises(ValueError, match=message):

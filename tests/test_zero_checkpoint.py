@@ -69,6 +69,22 @@ def test_save_weights_resumes_elsewhere(stage, target, saved):
   np.testing.assert_allclose(losses["loss"], expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_load_from_resumes_one_device_state_under_zero(stage, tmp_path):
+  """Weights and Adam's state saved on one device continue under ZeRO over
+  4 replicas with the losses one device goes on to have."""
+  x, y = dp_common.make_data()
+  plain = model_under(_adam)
+  dp_common.fit(plain, x, y, epochs=1)
+  path = tmp_path / "plain.weights.h5"
+  plain.save_weights(str(path))
+  expected = dp_common.fit(plain, x, y, epochs=2)["loss"]
+  resumed = model_under(_adam, data_parallel(), seed=9)
+  losses = dp_common.fit(resumed, x, y, epochs=2, callbacks=[
+      tfpar.ZeRO(stage=stage, load_from=path)])
+  np.testing.assert_allclose(losses["loss"], expected, atol=1e-5, rtol=0)
+
+
 def test_checkpoint_lists_what_an_unsharded_optimizer_saves(tmp_path, saved):
   x, y = dp_common.make_data()
   plain = model_under(_adam)

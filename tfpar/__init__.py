@@ -37,6 +37,7 @@ _EXPORTS = {
     "logical_weights": "tfpar.tensor_parallel",
     "memory_report": "tfpar.memory",
     "plan": "tfpar.planner",
+    "save_weights": "tfpar.callbacks",
     "ZeRO": "tfpar.zero",
 }
 _SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh",

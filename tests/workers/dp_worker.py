@@ -78,9 +78,9 @@ def main():
                            for v in model.optimizer.variables
                            if hasattr(v.value, "values")],
   }
-  weights_path = os.path.join(args.out_dir, "weights.weights.h5")
-  if mesh.cluster.is_chief and not args.zero_stage:
-    model.save_weights(weights_path)
+  # Every worker calls it; the chief writes (under ZeRO the workers gather
+  # the optimizer state, and at stage 3 the weights, together).
+  tfpar.save_weights(model, os.path.join(args.out_dir, "weights.weights.h5"))
   name = f"worker{mesh.cluster.task_id}.json"
   with open(os.path.join(args.out_dir, name), "w") as f:
     json.dump(result, f)

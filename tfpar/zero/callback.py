@@ -1,5 +1,7 @@
 """`tfpar.ZeRO`: the Keras callback that turns ZeRO on for a fit."""
 
+import os
+
 import keras
 
 from tfpar import keras_hooks
@@ -42,10 +44,17 @@ class ZeRO(keras.callbacks.Callback):
       sends its tensors in as few collectives as this allows (DeepSpeed's
       `reduce_bucket_size`). Larger buckets mean fewer, larger messages
       and a larger temporary copy.
+    load_from: None, or the path of a `.weights.h5` or `.keras` file to
+      load weights and optimizer state from (written with or without ZeRO,
+      on any number of replicas), once the optimizer is sharded at the
+      start of the first `fit`. A plain `load_weights` before `fit` cannot
+      do this: the optimizer is not built then, so Keras skips its state.
+      A `BackupAndRestore` backup, when there is one, is loaded after it.
 
   Raises:
-    ValueError: an unknown stage or offload, or a bucket size that is not
-      a positive integer.
+    ValueError: an unknown stage or offload, a bucket size that is not a
+      positive integer, or a `load_from` file that does not exist or is not
+      a `.weights.h5` / `.keras` file.
 
   Example:
 
@@ -59,7 +68,8 @@ class ZeRO(keras.callbacks.Callback):
   """
 
   def __init__(self, stage=1, offload=None,
-               bucket_bytes=collectives.DEFAULT_BUCKET_BYTES):
+               bucket_bytes=collectives.DEFAULT_BUCKET_BYTES,
+               load_from=None):
     super().__init__()
     if stage not in _STAGES:
       raise ValueError(
@@ -74,9 +84,20 @@ class ZeRO(keras.callbacks.Callback):
       raise ValueError(
           f"tfpar.ZeRO: bucket_bytes must be a positive integer (bytes). "
           f"Received: bucket_bytes={bucket_bytes!r}.")
+    if load_from is not None:
+      load_from = os.fspath(load_from)
+      if not load_from.endswith((".weights.h5", ".keras")):
+        raise ValueError(
+            f"tfpar.ZeRO: load_from must be a '.weights.h5' or '.keras' "
+            f"file. Received: load_from={load_from!r}.")
+      if not os.path.isfile(load_from):
+        raise ValueError(
+            f"tfpar.ZeRO: load_from must name an existing file. Received: "
+            f"load_from={load_from!r}, which does not exist.")
     self.stage = stage
     self.offload = offload
     self.bucket_bytes = bucket_bytes
+    self.load_from = load_from
     keras_hooks.install_fit_preparation()
 
   def prepare_fit(self, model):
@@ -112,6 +133,18 @@ class ZeRO(keras.callbacks.Callback):
     object.__setattr__(optimizer, "_tfpar_zero", state)
     for saved in {id(o): o for o in (optimizer, inner)}.values():
       checkpoint.install(saved, model)  # Keras saves both.
+    if self.load_from is not None:
+      self._load(model)
+
+  def _load(self, model):
+    if not model.built:
+      raise ValueError(
+          f"tfpar.ZeRO(load_from={self.load_from!r}) needs model "
+          f"{model.name!r} built before fit, to load its weights and "
+          f"optimizer state; build it (keras.Input, or model.build).")
+    with model.distribute_strategy.scope():
+      model.optimizer.build(model.trainable_variables)  # Sharded state.
+    model.load_weights(self.load_from)
 
   def set_model(self, model):
     super().set_model(model)

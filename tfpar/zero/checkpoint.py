@@ -6,12 +6,15 @@ slices. So a checkpoint written under N replicas loads under any other
 number of replicas, with or without ZeRO, and vice versa.
 """
 
+import contextlib
+
 import numpy as np
 
 from tfpar.tensor_parallel import optimizer as tensor_parallel_optimizer
 from tfpar.tensor_parallel.variables import sharded_weights
 from tfpar.zero import sharded_optimizer
 from tfpar.zero import slices
+from tfpar.zero import spread_slices
 
 
 class WholeSlot:
@@ -76,3 +79,22 @@ def install(optimizer, model):
 
   object.__setattr__(optimizer, "save_own_variables", save_own_variables)
   object.__setattr__(optimizer, "load_own_variables", load_own_variables)
+
+
+def whole_values(model):
+  """A context in which the whole values of `model`'s ZeRO slices (the
+  optimizer state, and the weights under stage 3) are gathered once from
+  every worker, for saving. In a multi-worker job every worker enters it,
+  at the same point; elsewhere it does nothing.
+
+  Args:
+    model: a Keras model, trained under `tfpar.ZeRO` or not.
+  """
+  state = getattr(model.optimizer, "_tfpar_zero", None)
+  if state is None:
+    return contextlib.nullcontext()
+  sliced = [v for v in model.optimizer.variables
+            if id(v) in state.slot_references]
+  if state.stage == 3:
+    sliced += [entry.weight for entry in state.entries.values()]
+  return spread_slices.prefetched(sliced)

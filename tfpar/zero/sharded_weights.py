@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfpar.zero import collectives
 from tfpar.zero import sparse_gradients
 from tfpar.zero import slices
+from tfpar.zero import spread_slices
 from tfpar.tensor_parallel import instrument
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"
@@ -35,6 +36,8 @@ class GatheredWeight:
   """Mixin for a Keras variable whose storage is a ZeRO-3 slice variable."""
 
   def _tfpar_whole_tensor(self):
+    if spread_slices.is_spread(self):
+      return self._tfpar_whole_spread_tensor()
     parts = [c.read_value() for c in slices.components(self)]
     flat = tf.concat(parts, 0)[:self.shape.num_elements()]
     return tf.reshape(flat, self.shape)
@@ -72,6 +75,21 @@ class GatheredWeight:
             instrument.BACKWARD, path, column)
       return tf.reshape(whole[:elements], shape), grad
     return gather(tf.convert_to_tensor(self._value))
+
+  def _tfpar_whole_spread_tensor(self):
+    """The whole weight when its slices are spread over workers."""
+    if tf.executing_eagerly():  # Every worker reads it: a collective.
+      return tf.constant(slices.whole(self, self.shape))
+    graph = tf.compat.v1.get_default_graph()
+    # Keras's shape inference (`compute_output_spec`, as `fit` builds the
+    # model) traces into a throw-away "scratch_graph" that never runs.
+    if graph.name.startswith("scratch_graph"):
+      return tf.zeros(self.shape, self.dtype)
+    raise ValueError(
+        f"Weight {self.path!r} is sharded by tfpar.ZeRO(stage=3) over "
+        f"several workers; a tf.function can read it only inside the "
+        f"strategy's replicas (strategy.run, fit, evaluate, predict). Read "
+        f"the whole weight eagerly, on every worker, instead.")
 
   def __tf_tensor__(self, dtype=None, name=None):
     return tf.convert_to_tensor(self._tfpar_gathered(), dtype=dtype,

@@ -16,6 +16,7 @@ from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import resource_variable_ops
 
 from tfpar.memory import components
+from tfpar.zero import spread_slices
 
 
 def slice_size(shape, replicas):
@@ -85,19 +86,15 @@ def local_component(variable):
 def whole(slice_variable, shape):
   """The full-shape NumPy value of a sliced variable.
 
-  Raises:
-    ValueError: some replicas' slices live on other workers.
+  In a multi-worker job whose slices are spread over the workers, this
+  gathers them from every worker: a collective (see `spread_slices`).
   """
-  parts = components(slice_variable)
-  flat = np.concatenate([np.asarray(c.read_value()) for c in parts])
-  size = int(np.prod(shape))
-  if flat.shape[0] < size:
-    raise ValueError(
-        "Reading a whole ZeRO-sharded tensor needs every replica's slice on "
-        "this host; in a multi-worker job the slices are spread over the "
-        "workers. Saving checkpoints of multi-worker ZeRO runs is not "
-        "supported yet.")
-  return flat[:size].reshape(shape)
+  if spread_slices.is_spread(slice_variable):
+    flat = spread_slices.whole_flat(slice_variable)
+  else:
+    flat = np.concatenate([np.asarray(c.read_value())
+                           for c in components(slice_variable)])
+  return flat[:int(np.prod(shape))].reshape(shape)
 
 
 def assign_whole(slice_variable, value, replicas, replica_ids):

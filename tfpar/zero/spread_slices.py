@@ -1,0 +1,82 @@
+"""Whole values of ZeRO slices spread over several workers.
+
+In a multi-worker job each worker holds only its own replicas' slices of
+the optimizer state (and under stage 3 of the weights). Reading a whole
+tensor (`get_weights`, saving a checkpoint) then gathers the slices from
+every worker: a collective, so every worker must read the same tensors in
+the same order, as TensorFlow requires of every multi-worker save. The
+chief writes the file, the others only take part in the gathers
+(`tfpar.BackupAndRestore` and `tfpar.ModelCheckpoint` do this).
+
+`prefetched(variables)` gathers many tensors in one collective step and
+serves them to every read inside the block; outside it, each read gathers
+its own tensor.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from tfpar.memory import components
+from tfpar.zero import collectives
+
+CHECKPOINT = "checkpoint"  # Phase of these gathers in a CommunicationLog.
+# id of a slice variable's distributed value (a stage-3 weight shares its
+# slice's) -> (that value, its whole flat NumPy value).
+_prefetched = {}
+
+
+def _distributed(slice_variable):
+  return getattr(slice_variable, "_value", slice_variable)
+
+
+def is_spread(slice_variable):
+  """Whether some of the variable's slices live on other workers."""
+  strategy = _distributed(slice_variable)._distribute_strategy  # pylint: disable=protected-access
+  return len(components(slice_variable)) < strategy.num_replicas_in_sync
+
+
+def _gather(variables):
+  """Every replica's slices of each variable, concatenated (NumPy)."""
+  values = [_distributed(v) for v in variables]
+  strategy = values[0]._distribute_strategy  # pylint: disable=protected-access
+  names = [v.name for v in variables]
+
+  def gather_on_replica():
+    # In a replica context a slice variable reads as the replica's slice.
+    pieces = [tf.convert_to_tensor(v) for v in values]
+    return collectives.all_gather_many(
+        pieces, CHECKPOINT, names, [None] * len(pieces),
+        collectives.DEFAULT_BUCKET_BYTES)
+
+  wholes = tf.function(lambda: strategy.run(gather_on_replica))()
+  return [strategy.experimental_local_results(w)[0].numpy() for w in wholes]
+
+
+def whole_flat(slice_variable):
+  """The whole flattened value of a spread slice variable (a collective
+  unless prefetched)."""
+  found = _prefetched.get(id(_distributed(slice_variable)))
+  if found is not None:
+    return found[1]
+  return _gather([slice_variable])[0]
+
+
+@contextlib.contextmanager
+def prefetched(variables):
+  """Serves whole values of the spread `variables` gathered in one step.
+
+  Args:
+    variables: slice variables; those not spread over workers are ignored.
+      Every worker must pass the same variables in the same order.
+  """
+  spread = [v for v in variables if is_spread(v)]
+  if spread:
+    for variable, flat in zip(spread, _gather(spread)):
+      value = _distributed(variable)
+      _prefetched[id(value)] = (value, flat)
+  try:
+    yield
+  finally:
+    for variable in spread:
+      _prefetched.pop(id(_distributed(variable)), None)
