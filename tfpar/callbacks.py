@@ -11,6 +11,8 @@ of the optimizer state (and at stage 3 of the weights): every worker then
 takes part in gathering the whole tensors, and the chief writes them.
 """
 
+import json
+
 import keras
 import tensorflow as tf
 
@@ -42,11 +44,18 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
-  """`keras.callbacks.BackupAndRestore` for multi-worker jobs.
+  """`keras.callbacks.BackupAndRestore` for multi-worker jobs, resuming at
+  the exact step.
 
   The chief writes the backup; every worker restores from it, so all
-  workers resume at the same epoch with the same weights and optimizer
-  state after a worker was killed and the job restarted.
+  workers resume with the same weights and optimizer state after a worker
+  was killed and the job restarted. With `save_freq=N` (a backup every N
+  batches) a restart resumes at the batch after the backup, not at the
+  start of its epoch: the batches of that epoch already trained are read
+  from the data and skipped, so the model is updated exactly as without
+  the interruption (when the data comes in the same order: `shuffle=False`
+  or a seeded dataset). The resumed epoch's logged metrics cover only the
+  batches trained after the restart.
 
   Args: as `keras.callbacks.BackupAndRestore`; `backup_dir` must be readable
     by every worker.
@@ -54,13 +63,66 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
   Example:
 
   >>> import tfpar
-  >>> backup = tfpar.BackupAndRestore("/tmp/backup")
+  >>> backup = tfpar.BackupAndRestore("/tmp/backup", save_freq=100)
   """
+
+  _BATCHES_DONE = "tfpar_batches_done"  # Of the epoch in the metadata.
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._batches_done = 0
+    self._to_skip = 0
+
+  def on_train_begin(self, logs=None):
+    super().on_train_begin(logs)
+    self._batches_done = self._to_skip = 0
+    if tf.io.gfile.exists(self._training_metadata_path):
+      with tf.io.gfile.GFile(self._training_metadata_path) as metadata:
+        self._to_skip = json.load(metadata).get(self._BATCHES_DONE, 0)
+    if self._to_skip:
+      self._skip_trained_batches()
+
+  def _skip_trained_batches(self):
+    """Makes the next train-function calls read, and not train on, the
+    batches the backup has trained on already."""
+    model = self.model
+    trained = model.train_function
+    left = [self._to_skip]
+
+    def train_function(iterator):
+      if not left[0]:
+        model.train_function = trained
+        return trained(iterator)
+      for _ in range(min(model.steps_per_execution, left[0])):
+        next(iterator)
+      left[0] -= min(model.steps_per_execution, left[0])
+      return {}
+    model.train_function = train_function
+
+  def on_epoch_begin(self, epoch, logs=None):
+    # Keras sets the epoch it records only at epoch ends, so the backups of
+    # a resumed run taken before its first epoch end would name epoch 0.
+    self._current_epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    if batch < self._to_skip:  # A skipped batch: the backup holds it.
+      return
+    self._batches_done = batch + 1
+    super().on_train_batch_end(batch, logs)
+
+  def on_epoch_end(self, epoch, logs=None):
+    self._batches_done = self._to_skip = 0
+    super().on_epoch_end(epoch, logs)
 
   def _save_model(self):
     with zero_checkpoint.whole_values(self.model):
       if is_chief(self.model):
         super()._save_model()
+        with tf.io.gfile.GFile(self._training_metadata_path) as metadata:
+          written = json.load(metadata)
+        written[self._BATCHES_DONE] = self._batches_done
+        with tf.io.gfile.GFile(self._training_metadata_path, "w") as metadata:
+          json.dump(written, metadata)
 
   def on_train_end(self, logs=None):
     if is_chief(self.model):
