@@ -1,9 +1,10 @@
-"""tfpar.BackupAndRestore with backups every N batches resumes at the exact
-batch: after one or two interruptions, the weights and optimizer state are
-those of an uninterrupted run."""
+"""tfpar.BackupAndRestore resumes at the exact batch, from backups every N
+batches and from the backup SIGTERM makes: after one or two interruptions
+the weights and optimizer state are those of an uninterrupted run."""
 
 import json
 import os
+import signal
 
 import keras
 import numpy as np
@@ -79,3 +80,38 @@ def test_step_backups_resume_at_the_exact_batch(tmp_path, zero_stage):
                        _state(uninterrupted, str(tmp_path / "b.weights.h5"))):
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
   assert not os.path.exists(backup_dir)  # Removed once training ended.
+
+
+class _Preempt(keras.callbacks.Callback):
+  """Sends SIGTERM to this process before batch 5 of epoch 1."""
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch = epoch
+
+  def on_train_batch_begin(self, batch, logs=None):
+    if (self._epoch, batch) == (1, 5):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_backs_up_the_step_and_exits_143(tmp_path):
+  with data_parallel().scope():
+    uninterrupted = dp_common.build_model()
+  _fit(uninterrupted, [])
+  backup_dir = str(tmp_path / "backup")
+  with data_parallel().scope():
+    model = dp_common.build_model()
+  with pytest.raises(SystemExit) as exited:
+    _fit(model, [tfpar.BackupAndRestore(backup_dir), _Preempt()])
+  assert exited.value.code == tfpar.preemption.PREEMPTED_EXIT_CODE == 143
+  # The handler is gone: SIGTERM is the default again.
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+  with open(os.path.join(backup_dir, "training_metadata.json")) as f:
+    recorded = json.load(f)
+  assert (recorded["epoch"], recorded["tfpar_batches_done"]) == (1, 6)
+
+  with data_parallel().scope():
+    resumed = dp_common.build_model(seed=7)
+  _fit(resumed, [tfpar.BackupAndRestore(backup_dir)])
+  for got, want in zip(_state(resumed, str(tmp_path / "a.weights.h5")),
+                       _state(uninterrupted, str(tmp_path / "b.weights.h5"))):
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)

@@ -131,6 +131,33 @@ def test_killed_zero3_worker_resumes_and_saves_whole_state(tmp_path,
   _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
 
 
+def test_sigterm_saves_and_resumes_at_the_exact_step(tmp_path, reference):
+  """SIGTERM to worker 1 before batch 3 of epoch 1: every worker backs up
+  the same step and exits 143; the relaunch resumes at the next batch and
+  ends with the weights of an uninterrupted run."""
+  backup = str(tmp_path / "backup")
+  preempted = _launch(str(tmp_path), "--backup", backup,
+                      "--preempt-in-epoch", "1")
+  assert preempted.returncode == 143, preempted.stdout[-4000:]
+  assert "[worker 0] tfpar: preempted (SIGTERM); saved" in preempted.stdout
+  assert "[worker 1] tfpar: preempted (SIGTERM); saved" in preempted.stdout
+  with open(os.path.join(backup, "training_metadata.json")) as f:
+    metadata = json.load(f)
+  # Announced after batch 3 (the step it was in), saved after batch 4.
+  assert (metadata["epoch"], metadata["tfpar_batches_done"]) == (1, 5)
+  resumed = _launch(str(tmp_path), "--backup", backup)
+  assert resumed.returncode == 0, resumed.stdout[-4000:]
+  for result in _results(tmp_path):
+    # The rest of epoch 1 (its loss averages its last 3 batches), epoch 2.
+    assert len(result["history"]["loss"]) == 2
+    np.testing.assert_allclose(result["history"]["loss"][1],
+                               reference["history"]["loss"][2],
+                               atol=TOLERANCE)
+    for got, want in zip(result["weights"], reference["weights"]):
+      np.testing.assert_allclose(got, want, atol=TOLERANCE)
+  _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
+
+
 def test_single_task_tf_config_job(tmp_path, reference):
   run = _launch(str(tmp_path), workers=1)
   assert run.returncode == 0, run.stdout[-4000:]

@@ -41,8 +41,8 @@ _EXPORTS = {
     "ZeRO": "tfpar.zero",
 }
 _SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh",
-               "pipeline", "planner", "recipes", "tensor_parallel", "tpu",
-               "zero")
+               "pipeline", "planner", "preemption", "recipes",
+               "tensor_parallel", "tpu", "zero")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -16,6 +16,7 @@ import json
 import keras
 import tensorflow as tf
 
+from tfpar import preemption
 from tfpar.zero import checkpoint as zero_checkpoint
 
 
@@ -57,8 +58,19 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
   or a seeded dataset). The resumed epoch's logged metrics cover only the
   batches trained after the restart.
 
-  Args: as `keras.callbacks.BackupAndRestore`; `backup_dir` must be readable
-    by every worker.
+  With `save_before_preemption` (as in Keras 2), SIGTERM to any worker
+  during training (what preemptible machines and schedulers send) makes
+  every worker back up the same step, and exit with code 143
+  (`tfpar.preemption.PREEMPTED_EXIT_CODE`, TensorFlow's); the relaunched
+  job resumes at the next batch.
+
+  Args:
+    backup_dir: as `keras.callbacks.BackupAndRestore`; it must be readable
+      by every worker.
+    save_freq: "epoch", or a backup every `save_freq` batches.
+    double_checkpoint: as `keras.callbacks.BackupAndRestore`.
+    delete_checkpoint: as `keras.callbacks.BackupAndRestore`.
+    save_before_preemption: whether SIGTERM saves and exits (see above).
 
   Example:
 
@@ -68,14 +80,22 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
   _BATCHES_DONE = "tfpar_batches_done"  # Of the epoch in the metadata.
 
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    self._batches_done = 0
-    self._to_skip = 0
+  def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
+               delete_checkpoint=True, save_before_preemption=True):
+    super().__init__(backup_dir, save_freq=save_freq,
+                     double_checkpoint=double_checkpoint,
+                     delete_checkpoint=delete_checkpoint)
+    self.save_before_preemption = save_before_preemption
+    self._batches_done = self._to_skip = self._steps_run = 0
+    self._preemption = None
 
   def on_train_begin(self, logs=None):
     super().on_train_begin(logs)
-    self._batches_done = self._to_skip = 0
+    self._batches_done = self._to_skip = self._steps_run = 0
+    if self.save_before_preemption:
+      self._preemption = preemption.PreemptionWatch(
+          self.model.distribute_strategy)
+      self._preemption.install()
     if tf.io.gfile.exists(self._training_metadata_path):
       with tf.io.gfile.GFile(self._training_metadata_path) as metadata:
         self._to_skip = json.load(metadata).get(self._BATCHES_DONE, 0)
@@ -109,6 +129,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
       return
     self._batches_done = batch + 1
     super().on_train_batch_end(batch, logs)
+    self._steps_run += 1
+    if self._preemption and self._preemption.save_now(self._steps_run):
+      self._save_model()
+      self._preemption.exit_after_save(is_chief(self.model))
 
   def on_epoch_end(self, epoch, logs=None):
     self._batches_done = self._to_skip = 0
@@ -125,6 +149,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
           json.dump(written, metadata)
 
   def on_train_end(self, logs=None):
+    if self._preemption:
+      self._preemption.uninstall()
     if is_chief(self.model):
       super().on_train_end(logs)
 

@@ -3,13 +3,15 @@
 Trains `dp_common`'s model with DataParallelStrategy on the TF_CONFIG mesh
 and writes what each worker saw to `<out_dir>/worker<i>.json`.
 
-Usage: dp_worker.py OUT_DIR [--backup DIR] [--die-in-epoch N] [--zero-stage S]
-                    [--accumulate K] [--policy NAME]
+Usage: dp_worker.py OUT_DIR [--backup DIR] [--die-in-epoch N]
+                    [--preempt-in-epoch N] [--zero-stage S] [--accumulate K]
+                    [--policy NAME]
 """
 
 import argparse
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,11 +39,29 @@ class DieInEpoch(keras.callbacks.Callback):
     self._epoch = epoch
 
 
+class PreemptInEpoch(keras.callbacks.Callback):
+  """Sends SIGTERM to worker 1 before batch 3 of an epoch, as a
+  preemptible machine's shutdown would."""
+
+  def __init__(self, epoch):
+    super().__init__()
+    self.epoch = epoch
+
+  def on_train_batch_begin(self, batch, logs=None):
+    task = self.model.distribute_strategy.mesh.cluster.task_id
+    if self._epoch == self.epoch and batch == 3 and task == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch = epoch
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("out_dir")
   parser.add_argument("--backup")
   parser.add_argument("--die-in-epoch", type=int)
+  parser.add_argument("--preempt-in-epoch", type=int)
   parser.add_argument("--zero-stage", type=int)
   parser.add_argument("--accumulate", type=int)
   parser.add_argument("--policy")
@@ -63,6 +83,8 @@ def main():
                       save_weights_only=True)]
   if args.die_in_epoch is not None:
     callbacks.append(DieInEpoch(args.die_in_epoch))
+  if args.preempt_in_epoch is not None:
+    callbacks.append(PreemptInEpoch(args.preempt_in_epoch))
   if args.zero_stage:
     callbacks.append(tfpar.ZeRO(stage=args.zero_stage))
   history = dp_common.fit(model, x, y, callbacks=callbacks,
