@@ -16,6 +16,7 @@ import json
 import keras
 import tensorflow as tf
 
+from tfpar import keras_hooks
 from tfpar import preemption
 from tfpar.zero import checkpoint as zero_checkpoint
 
@@ -88,6 +89,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     self.save_before_preemption = save_before_preemption
     self._batches_done = self._to_skip = self._steps_run = 0
     self._preemption = None
+    keras_hooks.install_fit_preparation()  # For `finish_fit`.
 
   def on_train_begin(self, logs=None):
     super().on_train_begin(logs)
@@ -148,9 +150,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         with tf.io.gfile.GFile(self._training_metadata_path, "w") as metadata:
           json.dump(written, metadata)
 
-  def on_train_end(self, logs=None):
+  def finish_fit(self, model):
+    """Gives SIGTERM back however `fit` ended (called by tfpar's `fit`
+    hook: Keras skips `on_train_end` when `fit` raises)."""
+    del model
     if self._preemption:
       self._preemption.uninstall()
+      self._preemption = None
+
+  def on_train_end(self, logs=None):
+    self.finish_fit(self.model)
     if is_chief(self.model):
       super().on_train_end(logs)
 

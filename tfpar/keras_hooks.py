@@ -54,8 +54,8 @@ def install_model_registration():
 
 
 def install_fit_preparation():
-  """Patches `TensorFlowTrainer.fit` to call `prepare_fit` on callbacks,
-  and makes `keras.distribution.set_distribution` refuse to do nothing on
+  """Patches `TensorFlowTrainer.fit` to call `prepare_fit` on callbacks
+  before it and `finish_fit` after it however it ends, and makes `keras.distribution.set_distribution` refuse to do nothing on
   TensorFlow (`keras_distribution.install_refusal`)."""
   if "fit" in _installed:
     return
@@ -69,7 +69,13 @@ def install_fit_preparation():
       prepare = getattr(callback, "prepare_fit", None)
       if prepare is not None:
         prepare(self)
-    return original(self, *args, callbacks=callbacks, **kwargs)
+    try:
+      return original(self, *args, callbacks=callbacks, **kwargs)
+    finally:  # Keras skips `on_train_end` when fit raises.
+      for callback in callbacks or ():
+        finish = getattr(callback, "finish_fit", None)
+        if finish is not None:
+          finish(self)
 
   tf_trainer.TensorFlowTrainer.fit = fit
   _installed.add("fit")
