@@ -29,7 +29,7 @@ class MeshStrategy(tf.distribute.MultiWorkerMirroredStrategy):
   Example:
 
   >>> import tfpar
-  >>> strategy = tfpar.engine.MeshStrategy(tfpar.Mesh({"data": 2}))
+  >>> strategy = tfpar.engine.MeshStrategy(tfpar.Mesh({"data": -1}))
   >>> strategy.num_replicas_in_sync  # doctest: +SKIP
   2
   """

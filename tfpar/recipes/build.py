@@ -128,7 +128,6 @@ def make_plan(recipe):
   Example:
 
   >>> from tfpar.recipes import schema
-from tfpar.recipes import training
   >>> recipe = schema.validate({
   ...     "strategy": {"kind": "tensor_parallel"}, "mesh": {"tensor": 2},
   ...     "plan": {"rules": [["head/kernel", "ColumnParallel"]]}})

@@ -59,7 +59,7 @@ class ZeRO(keras.callbacks.Callback):
   Example:
 
   >>> import keras, numpy as np, tfpar
-  >>> strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 1}))
+  >>> strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": -1}))
   >>> with strategy.scope():
   ...   model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
   ...   model.compile(optimizer="adam", loss="mse")

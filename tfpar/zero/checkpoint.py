@@ -90,8 +90,8 @@ def whole_values(model):
   Args:
     model: a Keras model, trained under `tfpar.ZeRO` or not.
   """
-  state = getattr(model.optimizer, "_tfpar_zero", None)
-  if state is None:
+  state = getattr(getattr(model, "optimizer", None), "_tfpar_zero", None)
+  if state is None:  # No ZeRO, or not even compiled.
     return contextlib.nullcontext()
   sliced = [v for v in model.optimizer.variables
             if id(v) in state.slot_references]
