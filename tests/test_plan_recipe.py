@@ -57,7 +57,7 @@ def test_the_recipe_text_names_the_layout():
 def test_the_recommended_recipe_trains_like_one_device(tmp_path, memory,
                                                        expected):
   model = example.compile_model(example.token_model())
-  result = tfpar.plan(model, 4, memory, batch_size=BATCH)
+  result = tfpar.plan_layout(model, 4, memory, batch_size=BATCH)
   assert result.recommended.name == expected
   path = result.write_recipe(str(tmp_path / "planned.toml"))
   text = open(path).read()
@@ -93,7 +93,7 @@ def test_nothing_that_fits_writes_no_recipe(tmp_path):
                    "--memory-per-device", "1GB", "--write-recipe",
                    str(path)) == 1
   assert not path.exists()
-  result = tfpar.plan(7.5e9, 8, "1GB")
+  result = tfpar.plan_layout(7.5e9, 8, "1GB")
   with pytest.raises(ValueError, match=r"No layout of '7.5B parameters' fits "
                      r"1 GB per device, so there is no recommendation"):
     result.write_recipe(str(path))

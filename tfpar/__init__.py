@@ -11,6 +11,7 @@ Example:
 
 import importlib
 import sys
+import warnings
 
 __version__ = "0.1.0"
 
@@ -36,21 +37,34 @@ _EXPORTS = {
     "VocabParallel": "tfpar.tensor_parallel",
     "logical_weights": "tfpar.tensor_parallel",
     "memory_report": "tfpar.memory",
-    "plan": "tfpar.planner",
+    "plan_layout": "tfpar.planner",
     "save_weights": "tfpar.callbacks",
     "ZeRO": "tfpar.zero",
 }
-_SUBMODULES = ("cluster", "engine", "launch", "local_devices", "mesh",
-               "pipeline", "planner", "preemption", "recipes",
-               "tensor_parallel", "tpu", "zero")
+# Namespaces users reach into (`tfpar.tpu.describe`, `tfpar.recipes.find`).
+_PUBLIC_SUBMODULES = ("pipeline", "planner", "recipes", "tensor_parallel",
+                      "tpu", "zero")
+# Implementation modules: importable as `tfpar.X`, but not tfpar's API.
+_INTERNAL_SUBMODULES = ("cluster", "engine", "launch", "local_devices",
+                        "mesh", "preemption")
+# Old names kept working for a while: {old: (new, module)}.
+_DEPRECATED = {"plan": ("plan_layout", "tfpar.planner")}
 
-__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+__all__ = sorted(_EXPORTS) + list(_PUBLIC_SUBMODULES)
 
 
 def __getattr__(name):
   if name in _EXPORTS:
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-  if name in _SUBMODULES:
+    module = importlib.import_module(_EXPORTS[name])
+    return getattr(module, "plan" if name == "plan_layout" else name)
+  if name in _DEPRECATED:
+    new_name, module = _DEPRECATED[name]
+    warnings.warn(
+        f"tfpar.{name} is renamed tfpar.{new_name} (so that it is not "
+        f"mistaken for the plan= argument, which takes a ShardingPlan); "
+        f"tfpar.{name} will be removed.", DeprecationWarning, stacklevel=2)
+    return importlib.import_module(module).plan
+  if name in _PUBLIC_SUBMODULES + _INTERNAL_SUBMODULES:
     return importlib.import_module(f"tfpar.{name}")
   raise AttributeError(f"module 'tfpar' has no attribute {name!r}")
 

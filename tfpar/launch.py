@@ -22,12 +22,12 @@ import time
 
 from tfpar import lifetime
 from tfpar import netns
+from tfpar.environment import DEVICES_PER_WORKER_ENV
 from tfpar.ports import free_ports  # pylint: disable=unused-import
 from tfpar.recipes import files as recipe_files
 
 # Read by tfpar.local_devices in each worker (kept here so that the launcher
 # does not import TensorFlow).
-DEVICES_PER_WORKER_ENV = "TFPAR_DEVICES_PER_WORKER"
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
 _GRACE_SECONDS = 5.0

@@ -12,9 +12,7 @@ import os
 
 import tensorflow as tf
 
-from tfpar import launch
-
-DEVICES_PER_WORKER_ENV = launch.DEVICES_PER_WORKER_ENV
+from tfpar.environment import DEVICES_PER_WORKER_ENV
 
 
 def configure_virtual_cpus(count):

@@ -24,11 +24,9 @@ except ImportError:  # Python 3.10.
   except ImportError:
     tomllib = None
 
+from tfpar.environment import RECIPE_ENV  # pylint: disable=unused-import
 from tfpar.recipes import schema
 
-# Set by `tfpar launch --recipe` for its workers (the recipe file's absolute
-# path); read by `tfpar.from_recipe()` when given no recipe.
-RECIPE_ENV = "TFPAR_RECIPE"
 _SUFFIX = ".toml"
 
 
