@@ -20,6 +20,8 @@ each device computes the one key/value head its query heads share, as
 Megatron and vLLM replicate them; their gradient is the sum over devices.
 """
 
+import inspect
+
 import keras
 import tensorflow as tf
 
@@ -30,6 +32,9 @@ from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
+
+_COMPUTES_CAUSAL_MASK = "use_causal_mask" in inspect.signature(
+    keras.layers.MultiHeadAttention._compute_attention).parameters  # pylint: disable=protected-access
 
 
 def _index_of_current_device(devices):
@@ -173,10 +178,13 @@ def multi_head_attention(layout, group, sequence_parallel):
     query_mask = backend.get_keras_mask(query)
     for tensor in (query, value, key):
       backend.set_keras_mask(tensor, None)
+    # Keras >= 3.13 lets _compute_attention apply a plain causal mask
+    # itself (and has sliding windows); older Keras always needs the mask.
     causal_only = (
+        _COMPUTES_CAUSAL_MASK and
         use_causal_mask and query_mask is None and value_mask is None and
         key_mask is None and attention_mask is None and
-        layer._sliding_window is None and  # pylint: disable=protected-access
+        getattr(layer, "_sliding_window", None) is None and
         type(layer)._compute_attention is  # pylint: disable=protected-access
         keras.layers.MultiHeadAttention._compute_attention)  # pylint: disable=protected-access
     if causal_only:
