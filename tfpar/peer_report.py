@@ -19,6 +19,7 @@ context` (as in `tfpar.preemption`).
 """
 
 import json
+import re
 import threading
 import time
 
@@ -28,6 +29,10 @@ from tfpar import timeouts as timeouts_lib
 
 _PREFIX = "tfpar/waiting"
 _LINGER_SECONDS = 3.0  # The chief keeps its store up for the others' reads.
+_FORWARDED = re.compile(
+    r"aborted by: (?:Collective ops is aborted by: )*"
+    r"((?:chief|\w+ \d+)(?: \([^)]*\))? waited \d+ s \(" +
+    timeouts_lib.COLLECTIVE_ENV + r"\)[^\n]*)")
 
 
 def grace_seconds(collective_timeout):
@@ -137,6 +142,23 @@ def describe(layout, what, seen):
         "between workers (a model or strategy built differently on one of "
         "them?)")
   return ": " + "; ".join(parts) + "."
+
+
+def forwarded(message):
+  """A peer's stuck report that TensorFlow passed on to this worker (the
+  collective it aborted was one this worker waited in too), or None.
+
+  Example:
+
+  >>> forwarded("Collective ops is aborted by: worker 0 waited 15 s "
+  ...           "(TFPAR_COLLECTIVE_TIMEOUT) for its peers at x: y.\\nmore")
+  'worker 0 waited 15 s (TFPAR_COLLECTIVE_TIMEOUT) for its peers at x: y. (Reported by worker 0.)'
+  """
+  match = _FORWARDED.search(message)
+  if match is None:
+    return None
+  reporter = match.group(1).split(" waited ")[0].split(" (")[0]
+  return f"{match.group(1)} (Reported by {reporter}.)"
 
 
 def explain(error, layout, timeouts):

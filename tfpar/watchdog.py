@@ -37,7 +37,8 @@ class _Watch:
   def __init__(self, layout, timeout, what):
     self.layout, self.timeout, self.what = layout, timeout, what
     self.started = time.monotonic()
-    self.report = None
+    self.report = None  # "" while firing, then the message.
+    self.fired = threading.Event()
 
 
 class _Watchdog:
@@ -95,6 +96,7 @@ class _Watchdog:
     from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
     context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED,
                                            report)
+    watch.fired.set()
 
 
 _WATCHDOG = _Watchdog()
@@ -139,8 +141,13 @@ def watching(strategy, what):
   try:
     yield
   except tf.errors.OpError as error:
+    if watch is not None and watch.report == "":  # Asking the peers now.
+      watch.fired.wait(timeout=2 * watch.timeout)
     if watch is not None and watch.report:
       raise type(error)(error.node_def, error.op, watch.report) from error
+    forwarded = peer_report.forwarded(str(error))
+    if forwarded:  # A peer's watchdog aborted a collective we shared.
+      raise type(error)(error.node_def, error.op, forwarded) from error
     if "Collective has timed out" in str(error):  # TF's own timeout.
       waited = time.monotonic() - watch.started if watch else 0
       raise type(error)(error.node_def, error.op, peer_report.stuck_report(
