@@ -90,6 +90,16 @@ def exchange(layout, what, grace):
   return seen
 
 
+def withdraw(layout):
+  """Deletes this worker's posts (its step ended after all)."""
+  me = (layout.task_type, layout.task_id)
+  for key in (_key(me), _key(me, "/read")):
+    try:
+      _store().delete_config_key_value(key)
+    except tf.errors.OpError:
+      pass
+
+
 def stuck_report(layout, what, waited, grace):
   """The message of a worker that waited `waited` s in `what`.
 

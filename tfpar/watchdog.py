@@ -89,8 +89,9 @@ class _Watchdog:
     report = peer_report.stuck_report(
         watch.layout, watch.what, time.monotonic() - watch.started, grace)
     with self._changed:
-      if watch not in self._watches:
-        watch.report = None  # The peers came after all.
+      if watch not in self._watches:  # The peers came after all.
+        watch.report = None
+        peer_report.withdraw(watch.layout)
         return
       watch.report = report
     from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
