@@ -193,3 +193,34 @@ def test_bad_timeouts_are_refused():
     timeouts.Timeouts.from_environment({"TFPAR_COLLECTIVE_TIMEOUT": "-3"})
   assert timeouts.Timeouts.from_environment(
       {"TFPAR_CONNECT_TIMEOUT": "none"}).connect is None
+
+
+@pytest.mark.parametrize("message, named", [
+    ("Collective ops is aborted by: Error reported from /job:worker/task:1: "
+     "The following tasks are unhealthy (stopped sending heartbeats):\n"
+     "/job:worker/replica:0/task:1\nThe tasks have crashed.",
+     "worker 1 (127.0.0.1:2) stopped sending heartbeats for 10 s"),
+    ("Collective ops is aborted by: Deadline Exceeded\n\nRPC: "
+     "/tensorflow.CoordinationService/Heartbeat\nThe error could be from a "
+     "previous operation.",
+     "worker 0 (127.0.0.1:1), which runs the cluster's coordination service, "
+     "stopped answering heartbeats"),
+    ("Collective ops is aborted by: recvmsg:Connection reset by peer\n"
+     "Additional GRPC error information from remote target "
+     "/job:worker/replica:0/task:0 while calling "
+     "/tensorflow.WorkerService/CompleteInstance:",
+     "worker 0 (127.0.0.1:1) is gone"),
+])
+def test_tensorflow_peer_errors_are_named(message, named):
+  """The messages TF 2.21 gave in the scenarios above."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfpar import cluster  # pylint: disable=g-import-not-at-top
+  layout = cluster.ClusterLayout(
+      {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1,
+      (("worker", 0), ("worker", 1)), "CPU", 2)
+  clear = peer_report.explain(tf.errors.UnavailableError(None, None, message),
+                              layout, timeouts.Timeouts(heartbeat=10))
+  assert isinstance(clear, tf.errors.UnavailableError)
+  assert clear.message.startswith(named), clear.message
+  assert peer_report.explain(tf.errors.UnavailableError(None, None, "other"),
+                             layout, timeouts.Timeouts()) is None

@@ -85,19 +85,26 @@ class _Watchdog:
       self._fire(watch)
 
   def _fire(self, watch):
-    grace = peer_report.grace_seconds(watch.timeout)
-    report = peer_report.stuck_report(
-        watch.layout, watch.what, time.monotonic() - watch.started, grace)
-    with self._changed:
-      if watch not in self._watches:  # The peers came after all.
-        watch.report = None
+    try:
+      report = peer_report.stuck_report(
+          watch.layout, watch.what, time.monotonic() - watch.started,
+          peer_report.grace_seconds(watch.timeout))
+      with self._changed:
+        came = watch not in self._watches  # The peers came after all.
+        watch.report = None if came else report
+      if came:
         peer_report.withdraw(watch.layout)
         return
-      watch.report = report
-    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-    context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED,
-                                           report)
-    watch.fired.set()
+      from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+      context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED,
+                                             report)
+    except Exception as error:  # pylint: disable=broad-except
+      # The watchdog must outlive a failed report; it tries again later.
+      watch.started, watch.report = time.monotonic(), None
+      print(f"tfpar watchdog: could not report a stuck step: {error}",
+            flush=True)
+    finally:
+      watch.fired.set()
 
 
 _WATCHDOG = _Watchdog()
