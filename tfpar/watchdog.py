@@ -14,8 +14,8 @@ errors) are raised again with the worker's name and address.
 
 For a custom training loop, run each step under `watching`:
 
->>> import tfpar  # doctest: +SKIP
->>> with tfpar.watchdog.watching(strategy, "my step 3"):  # doctest: +SKIP
+>>> from tfpar import watchdog
+>>> with watchdog.watching(strategy, "my step 3"):  # doctest: +SKIP
 ...   train_step(next(iterator))
 """
 
