@@ -28,6 +28,8 @@ from tensorflow.python.util import nest
 from tfpar import batches
 from tfpar import keras_hooks
 from tfpar import optimizer_hooks
+from tfpar import timeouts as timeouts_lib
+from tfpar import watchdog
 from tfpar.engine import bfloat16_gather
 from tfpar.engine import grouping
 from tfpar.engine import merge_free
@@ -90,10 +92,22 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
         group for group in mesh.replicas if mesh.is_local(group[0]))
     options = (communication_options or
                tf.distribute.experimental.CommunicationOptions())
+    self.timeouts = None  # Bounded waits of a multi-worker job.
+    if mesh.is_multi_worker:
+      self.timeouts = timeouts_lib.Timeouts.from_environment()
+      timeouts_lib.configure_coordination(mesh.cluster, self.timeouts)
+      watchdog.install()
     if mesh.cluster is not None:  # TF_CONFIG jobs, even of a single task.
-      super().__init__(container_strategy,
-                       cluster_resolver=mesh.cluster.cluster_resolver(),
-                       communication_options=options)
+      try:
+        super().__init__(container_strategy,
+                         cluster_resolver=mesh.cluster.cluster_resolver(),
+                         communication_options=options)
+      except tf.errors.DeadlineExceededError as error:
+        clear = self.timeouts and timeouts_lib.connect_error(
+            error, mesh.cluster, self.timeouts)
+        if clear is None:
+          raise
+        raise clear from error
     else:
       # A local mesh ignores TF_CONFIG, which TF's constructor would parse
       # again (and fail on when it is set but blank).
@@ -145,7 +159,10 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     if index is not None and kwargs.get("colocate_with") is None:
       kwargs["colocate_with"] = DeviceSet(
           group[index] for group in self._local_groups)
-    return super()._create_variable(next_creator, **kwargs)
+    # Across workers the chief broadcasts every initial value.
+    with watchdog.watching(self._container_strategy(),
+                           f"the creation of variable {kwargs.get('name')!r}"):
+      return super()._create_variable(next_creator, **kwargs)
 
   @property
   def worker_devices_by_replica(self):
@@ -268,6 +285,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
   def _call_for_each_replica(self, fn, args, kwargs):
     self.prepare_pending_models()
     result = super()._call_for_each_replica(fn, args, kwargs)
+    watchdog.touch()  # Tracing a step is not waiting for the peers.
     self.check_models_prepared()
     return result
 
