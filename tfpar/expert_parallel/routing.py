@@ -74,8 +74,10 @@ def slots(experts, num_experts, capacity_per_expert):
   Example:
 
   >>> slot, kept = slots(tf.constant([[0, 1], [0, 1], [0, 2]]), 3, 2)
-  >>> slot.numpy().tolist(), kept.numpy().tolist()
+  >>> slot.numpy().tolist()  # Token 2's first choice is past capacity 2.
   [[0, 2], [1, 3], [6, 4]]
+  >>> kept.numpy().tolist()
+  [[True, True], [True, True], [False, True]]
   """
   tokens = tf.shape(experts)[0]
   top_k = experts.shape[1]
