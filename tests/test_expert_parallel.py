@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import hub_common
 import tfpar
 from tfpar.expert_parallel import routing
 
@@ -58,12 +59,6 @@ def dataset():
       BATCH, drop_remainder=True)
 
 
-def make_optimizer(name):
-  if name == "adam":
-    return keras.optimizers.Adam(0.01)
-  return keras.optimizers.SGD(0.1, momentum=0.9)
-
-
 def train(family, optimizer_name, strategy=None, log=None):
   """(model, per-step losses) after STEPS steps of `fit`."""
   scope = strategy.scope() if strategy else tf.distribute.get_strategy(
@@ -71,7 +66,7 @@ def train(family, optimizer_name, strategy=None, log=None):
   with scope:
     model = language_model(family)
     model.compile(
-        optimizer=make_optimizer(optimizer_name),
+        optimizer=hub_common.optimizer(optimizer_name),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   losses = []
   record = keras.callbacks.LambdaCallback(
@@ -133,14 +128,24 @@ def mixtral_adam_expert4():
   return reference, train("mixtral", "adam", strategy), strategy
 
 
-def test_mixtral_expert2_trains_as_one_device(mixtral_sgd):
+def test_mixtral_expert2_trains_as_one_device(mixtral_sgd, tmp_path):
   (reference, reference_losses), (model, losses), strategy, _ = mixtral_sgd
   np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
   assert max_weight_difference(model, reference) < 1e-5
+  # Inference (replica path, no auxiliary loss) too.
+  np.testing.assert_allclose(model.evaluate(dataset(), verbose=0),
+                             reference.evaluate(dataset(), verbose=0),
+                             atol=1e-5)
+  # save_weights writes whole experts: they load into one device.
+  model.save_weights(tmp_path / "experts.weights.h5")
+  single = language_model("mixtral")
+  single.load_weights(tmp_path / "experts.weights.h5")
+  assert max_weight_difference(single, model) == 0.0
   report = strategy.routing_report()
   assert len(report) == 2
-  # Every token of every step routed twice, none dropped.
-  assert all(v == (0, BATCH * SEQUENCE * STEPS * TOP_K)
+  # Every token of every step (training, then evaluation) routed twice,
+  # none dropped.
+  assert all(v == (0, 2 * BATCH * SEQUENCE * STEPS * TOP_K)
              for v in report.values())
 
 

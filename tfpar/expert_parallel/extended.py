@@ -124,8 +124,9 @@ class ExpertParallelExtended(engine_extended.MeshExtended):
           f"{', '.join(f.name for f in families.FAMILIES)}); use "
           f"tfpar.DataParallelStrategy for it.")
     expert = self._context.groups.expert
-    for block, _ in blocks:
+    for block, family in blocks:
       check_block(block, expert)
+      check_layout(block, family)
     blocks = [(block, family) for block, family in blocks
               if not getattr(block, "_tfpar_experts_split", False)]
     optimizer = getattr(model, "optimizer", None)
@@ -181,3 +182,20 @@ def check_block(block, expert):
         f"Layer {block.path!r}: top_k={top_k} must be between 1 and "
         f"num_experts={num_experts} (each token picks top_k distinct "
         f"experts).")
+
+
+def check_layout(block, family):
+  """Raises if keras-hub moved the weights tfpar reads (an upgrade)."""
+  wanted = [("block", block, "_sparse_feedforward_gate_dense"),
+            ("block", block, "expert_bank")]
+  bank = getattr(block, "expert_bank", None)
+  wanted += [("expert bank", bank, name)
+             for name in family.expert_weight_names]
+  missing = [f"{where}.{name}" for where, owner, name in wanted
+             if owner is None or not hasattr(owner, name)]
+  if missing:
+    raise ValueError(
+        f"Layer {block.path!r} ({type(block).__name__}) lacks "
+        f"{', '.join(missing)}: this keras-hub version lays out its MoE "
+        f"block differently from the one tfpar knows, so its experts "
+        f"cannot be split.")

@@ -64,7 +64,7 @@ def build_call(block, family, context):
     slot, kept = routing.slots(experts, num_experts, capacity)
     buffer = routing.dispatch(x, slot, num_experts * capacity)
     if replica is None:  # One device, every expert here.
-      whole = [context.whole_value(v) for v in variables]
+      whole = [tf.cast(context.whole_value(v), x.dtype) for v in variables]
       received = tf.reshape(buffer, [1, -1, hidden])
       out = _local_experts(family, bank, whole, received, 1, capacity)
       expert_out = tf.reshape(out, [-1, hidden])
@@ -73,7 +73,8 @@ def build_call(block, family, context):
       launcher = context.launchers.all_to_all(replica)
       chunks = tf.reshape(buffer, [expert, -1, hidden])
       received = comm.all_to_all(chunks, launcher, block.name)
-      local = [v.value for v in variables]
+      # Cast as Keras autocasts variables under mixed precision.
+      local = [tf.cast(v.value, x.dtype) for v in variables]
       out = _local_experts(family, bank, local, received, expert, capacity)
       back = comm.all_to_all(out, launcher, block.name)
       expert_out = tf.reshape(back, [-1, hidden])

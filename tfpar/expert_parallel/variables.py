@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.memory import components
+from tfpar.tensor_parallel import variables as tp_variables
 
 
 class ExpertWeight:
@@ -129,26 +130,6 @@ def replace(owner, variable, weight):
   for attribute, value in list(vars(owner).items()):
     if value is variable:
       object.__setattr__(owner, attribute, weight.variable)
-  _install_logical_saving(owner)
-
-
-def _install_logical_saving(owner):
-  if getattr(owner, "_tfpar_saves_logical", False):
-    return
-
-  def save_own_variables(store):
-    for index, item in enumerate(owner._tfpar_logical_order):  # pylint: disable=protected-access
-      store[str(index)] = np.asarray(item.numpy())
-
-  def load_own_variables(store):
-    order = owner._tfpar_logical_order  # pylint: disable=protected-access
-    if len(store.keys()) != len(order):
-      raise ValueError(
-          f"Layer {owner.name!r} has {len(order)} logical weights but the "
-          f"checkpoint lists {len(store.keys())} for it.")
-    for index, item in enumerate(order):
-      item.assign(store[str(index)])
-
-  object.__setattr__(owner, "save_own_variables", save_own_variables)
-  object.__setattr__(owner, "load_own_variables", load_own_variables)
-  object.__setattr__(owner, "_tfpar_saves_logical", True)
+  # Saves and loads `owner`'s logical order (whole weights), as tensor
+  # parallelism does for its shards.
+  tp_variables._install_logical_saving(owner)  # pylint: disable=protected-access
