@@ -53,6 +53,10 @@ class MoEContext:
   def register(self, weight):
     self._expert_variables[id(weight.variable.value)] = weight
 
+  def expert_weights(self):
+    """Every `ExpertWeight` split so far."""
+    return list(self._expert_variables.values())
+
   def is_expert_variable(self, variable):
     return id(variable) in self._expert_variables
 

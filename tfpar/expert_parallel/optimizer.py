@@ -1,10 +1,19 @@
-"""What an expert-parallel model's optimizer does differently: the
-gradients of the experts are summed over the expert-data group (the
-replicas holding the same experts), not over every replica."""
+"""What an expert-parallel model's optimizer does differently.
 
+* The gradients of the experts are summed over the expert-data group (the
+  replicas holding the same experts), not over every replica.
+* Its saved state (`save_own_variables`, used by `model.save`) holds each
+  expert weight's slots whole ([num_experts, ...]), as one device has them:
+  the slot's component on each replica holds that replica's experts only.
+"""
+
+import warnings
+
+import numpy as np
 import tensorflow as tf
 
 from tfpar.expert_parallel import comm
+from tfpar.expert_parallel import variables as variables_lib
 
 
 def adopt(optimizer, context):
@@ -37,4 +46,44 @@ def adopt(optimizer, context):
 
   object.__setattr__(optimizer, "_all_reduce_sum_gradients",
                      all_reduce_sum_gradients)
+  _install_whole_slot_saving(optimizer, context)
   object.__setattr__(optimizer, "_tfpar_experts_adopted", True)
+
+
+def whole_entries(optimizer, context):
+  """The optimizer's variables, each slot of an expert weight as an
+  `ExpertWeight` (whole) view, in the optimizer's order."""
+  prefixes = {weight.variable.path.replace("/", "_") + "_": weight
+              for weight in context.expert_weights()}
+  entries = []
+  for item in optimizer.variables:
+    owner = next((w for p, w in prefixes.items()
+                  if item.name.startswith(p)), None)
+    if owner is None or tuple(item.shape) != tuple(owner.variable.shape):
+      entries.append(item)
+    else:
+      entries.append(variables_lib.ExpertWeight(
+          item.path, item, owner.ranks, owner.expert))
+  return entries
+
+
+def _install_whole_slot_saving(optimizer, context):
+
+  def save_own_variables(store):
+    for index, entry in enumerate(whole_entries(optimizer, context)):
+      store[str(index)] = np.asarray(entry.numpy())
+
+  def load_own_variables(store):
+    entries = whole_entries(optimizer, context)
+    if len(store.keys()) != len(entries):
+      warnings.warn(
+          f"Skipping variable loading for optimizer {optimizer.name!r}: it "
+          f"has {len(entries)} variables and the checkpoint "
+          f"{len(store.keys())}. Build the optimizer first "
+          f"(optimizer.build(model.trainable_variables)).", stacklevel=2)
+      return
+    for index, entry in enumerate(entries):
+      entry.assign(store[str(index)])
+
+  object.__setattr__(optimizer, "save_own_variables", save_own_variables)
+  object.__setattr__(optimizer, "load_own_variables", load_own_variables)

@@ -48,6 +48,8 @@ class ExpertWeight:
     local = tuple(self.variable.shape)
     return (local[0] * self._expert,) + local[1:]
 
+  ranks = property(lambda self: self._ranks)
+  expert = property(lambda self: self._expert)
   dtype = property(lambda self: self.variable.dtype)
   trainable = property(lambda self: self.variable.trainable)
   name = property(lambda self: self.path.split("/")[-1])
