@@ -136,6 +136,10 @@ def test_mixtral_expert2_trains_as_one_device(mixtral_sgd, tmp_path):
   np.testing.assert_allclose(model.evaluate(dataset(), verbose=0),
                              reference.evaluate(dataset(), verbose=0),
                              atol=1e-5)
+  # get_weights gives whole experts, as one device does.
+  ours, theirs = model.get_weights(), reference.get_weights()
+  assert [w.shape for w in ours] == [w.shape for w in theirs]
+  assert max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)) < 1e-5
   # save_weights writes whole experts: they load into one device.
   model.save_weights(tmp_path / "experts.weights.h5")
   single = language_model("mixtral")

@@ -11,6 +11,7 @@ from tfpar.expert_parallel import layers
 from tfpar.expert_parallel import optimizer as optimizer_lib
 from tfpar.expert_parallel import variables as variables_lib
 from tfpar.memory import components
+from tfpar.tensor_parallel import whole_weights
 
 
 class MoEContext:
@@ -159,6 +160,7 @@ class ExpertParallelExtended(engine_extended.MeshExtended):
                            layers.build_call(block, family, self._context))
         object.__setattr__(block, "_tfpar_experts_split", True)
     object.__setattr__(model, "_tfpar_experts_split", True)
+    whole_weights.install(model)
 
   def routing_report(self):
     """{MoE block path: (dropped assignments, routed assignments)} since

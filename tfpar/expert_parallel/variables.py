@@ -113,7 +113,12 @@ def split_expert_weight(variable, ranks, expert):
           f"{len(ranks)} local replica(s).")
     for rank, component in zip(ranks, parts):
       component.assign(pieces[rank])
-  return ExpertWeight(variable.path, local, ranks, expert)
+  weight = ExpertWeight(variable.path, local, ranks, expert)
+  # Keras's get_weights / set_weights speak whole weights
+  # (`tfpar.tensor_parallel.whole_weights`): the local variable is the one
+  # "shard" of its whole weight.
+  local._tfpar_shard_of = (weight, 0)  # pylint: disable=protected-access
+  return weight
 
 
 def replace(owner, variable, weight):
