@@ -65,7 +65,7 @@ class MoEContext:
     """The whole [E, ...] tensor of an expert variable (every rank must be
     on this worker)."""
     weight = self._expert_variables[id(variable.value)]
-    by_rank = weight._components_by_rank()  # pylint: disable=protected-access
+    by_rank = weight.components_by_rank()
     return tf.concat([tf.convert_to_tensor(by_rank[r])
                       for r in range(self.groups.expert)], 0)
 

@@ -42,7 +42,17 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
 
   Example:
 
-  >>> import keras, keras_hub, tfpar
+  >>> import tfpar
+  >>> strategy = tfpar.ExpertParallelStrategy(tfpar.Mesh({"data": -1}),
+  ...                                         expert=1, capacity_factor=1.25)
+  >>> strategy.expert, strategy.capacity_factor
+  (1, 1.25)
+  >>> strategy.routing_report()  # Nothing built yet.
+  {}
+
+  On 4 devices, keras-hub's Mixtral with its 4 experts split in pairs:
+
+  >>> import keras_hub
   >>> strategy = tfpar.ExpertParallelStrategy(
   ...     tfpar.Mesh({"data": 4}), expert=2)  # doctest: +SKIP
   >>> with strategy.scope():  # doctest: +SKIP

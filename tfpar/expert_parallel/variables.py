@@ -54,7 +54,8 @@ class ExpertWeight:
   trainable = property(lambda self: self.variable.trainable)
   name = property(lambda self: self.path.split("/")[-1])
 
-  def _components_by_rank(self):
+  def components_by_rank(self):
+    """{expert rank: the first local component holding its experts}."""
     found = {}
     for rank, component in zip(self._ranks, components(self.variable)):
       found.setdefault(rank, component)
@@ -62,7 +63,7 @@ class ExpertWeight:
 
   def numpy(self):
     """The whole weight (every expert rank must be on this worker)."""
-    by_rank = self._components_by_rank()
+    by_rank = self.components_by_rank()
     missing = sorted(set(range(self._expert)) - set(by_rank))
     if missing:
       raise ValueError(
