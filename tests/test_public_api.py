@@ -8,13 +8,15 @@ import tfpar
 
 _PUBLIC = {
     "BackupAndRestore", "ClusterLayout", "ColumnParallel",
-    "CommunicationLog", "DataParallelStrategy", "Mesh", "MeshAxis",
-    "ModelCheckpoint", "PipelineParallelStrategy", "PipelineTrace",
+    "CommunicationLog", "DataParallelStrategy", "ExpertParallelStrategy",
+    "Mesh", "MeshAxis", "ModelCheckpoint", "PipelineParallelStrategy",
+    "PipelineTrace",
     "Replicate", "RowParallel", "ShardedWeight", "ShardingPlan",
     "TensorParallelStrategy", "VocabParallel", "ZeRO",
     "configure_virtual_cpus", "from_keras_distribution", "from_recipe",
     "logical_weights", "memory_report", "plan_layout", "save_weights",
-    "pipeline", "planner", "recipes", "tensor_parallel", "tpu", "zero",
+    "expert_parallel", "pipeline", "planner", "recipes", "tensor_parallel",
+    "tpu", "zero",
 }
 
 

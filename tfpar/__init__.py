@@ -19,6 +19,7 @@ _EXPORTS = {
     "BackupAndRestore": "tfpar.callbacks",
     "ClusterLayout": "tfpar.cluster",
     "DataParallelStrategy": "tfpar.data_parallel",
+    "ExpertParallelStrategy": "tfpar.expert_parallel",
     "Mesh": "tfpar.mesh",
     "MeshAxis": "tfpar.mesh",
     "ModelCheckpoint": "tfpar.callbacks",
@@ -42,7 +43,7 @@ _EXPORTS = {
     "ZeRO": "tfpar.zero",
 }
 # Namespaces users reach into (`tfpar.tpu.describe`, `tfpar.recipes.find`).
-_PUBLIC_SUBMODULES = ("pipeline", "planner", "recipes", "tensor_parallel",
+_PUBLIC_SUBMODULES = ("expert_parallel", "pipeline", "planner", "recipes", "tensor_parallel",
                       "tpu", "zero")
 # Implementation modules: importable as `tfpar.X`, but not tfpar's API.
 _INTERNAL_SUBMODULES = ("cluster", "engine", "launch", "local_devices",

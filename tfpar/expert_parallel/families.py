@@ -1,0 +1,114 @@
+"""The mixture-of-experts layers tfpar splits over the expert group.
+
+A `Family` says where an MoE block keeps its router and experts and how it
+computes, so that `layers.py` can run the block expert-parallel with
+keras-hub's own weights and activation. Registered: keras-hub's
+`MixtralSparseMoeBlock` and `QwenSparseMoeBlock` (Qwen-MoE, with its shared
+expert).
+"""
+
+import dataclasses
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """How one MoE block class is laid out.
+
+  Attributes:
+    name: the block's class name.
+    expert_weight_names: attributes of `block.expert_bank` holding the
+      [num_experts, ...] expert weights, in the order `experts` takes them.
+    experts: `experts(bank, weights, x)`: x [E_local, N, h] through the
+      local experts, whose weights are `weights`.
+    normalize: `normalize(block)`: whether the top-k weights are divided
+      by their sum.
+    aux_coefficient: the block's attribute with the loss coefficient.
+    flat_mask: `flat_mask(attention_mask)`: [T] mask of the tokens that
+      count in the load-balancing loss.
+    extra: `extra(block, x_flat)`: what the block adds to the experts'
+      output (a shared expert), or None.
+    jitter: the block's attribute with the router's jitter noise, or None.
+  """
+  name: str
+  expert_weight_names: tuple
+  experts: Callable
+  normalize: Callable
+  aux_coefficient: str
+  flat_mask: Callable
+  extra: Optional[Callable] = None
+  jitter: Optional[str] = None
+
+
+def _mixtral_experts(bank, weights, x):
+  gate_kernel, intermediate_kernel, output_kernel = weights
+  gate = tf.einsum("enh,ehm->enm", x, gate_kernel)
+  gate = tf.cast(bank.activation(tf.cast(gate, "float32")), x.dtype)
+  intermediate = tf.einsum("enh,ehm->enm", x, intermediate_kernel)
+  return tf.einsum("enm,emh->enh", intermediate * gate, output_kernel)
+
+
+def _qwen_experts(bank, weights, x):
+  gate_up_kernel, output_kernel = weights
+  gate, up = tf.split(tf.einsum("enh,ehm->enm", x, gate_up_kernel), 2,
+                      axis=-1)
+  return tf.einsum("enm,emh->enh", up * bank.activation(gate), output_kernel)
+
+
+def _mixtral_mask(attention_mask):
+  return tf.reshape(attention_mask, [-1])
+
+
+def _qwen_mask(attention_mask):
+  return tf.reshape(tf.reduce_any(tf.cast(attention_mask, tf.bool), -1), [-1])
+
+
+def _qwen_shared_expert(block, x):
+  shared = block.shared_expert_dense(x)
+  return shared * tf.sigmoid(block.shared_expert_gate_dense(x))
+
+
+FAMILIES = (
+    Family("MixtralSparseMoeBlock",
+           ("_expert_feedforward_gate_dense",
+            "_expert_feedforward_intermediate_dense",
+            "_expert_feedforward_output_dense"),
+           _mixtral_experts, normalize=lambda block: True,
+           aux_coefficient="router_aux_loss_coef", flat_mask=_mixtral_mask,
+           jitter="router_jitter_noise"),
+    Family("QwenSparseMoeBlock",
+           ("_expert_feedforward_gate_dense",
+            "_expert_feedforward_output_dense"),
+           _qwen_experts, normalize=lambda block: bool(block.norm_top_k_prob),
+           aux_coefficient="router_aux_loss_coefficient",
+           flat_mask=_qwen_mask, extra=_qwen_shared_expert),
+)
+
+
+def family_of(layer):
+  """The `Family` of an MoE block, or None for any other layer.
+
+  Example:
+
+  >>> import keras
+  >>> family_of(keras.layers.Dense(2)) is None
+  True
+  """
+  for family in FAMILIES:
+    for cls in type(layer).__mro__:
+      if cls.__name__ == family.name and cls.__module__.startswith(
+          "keras_hub."):
+        return family
+  return None
+
+
+def moe_blocks(model):
+  """[(block, family)] of every MoE block in `model`, in layer order."""
+  found = []
+  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+    family = family_of(layer)
+    if family is not None:
+      found.append((layer, family))
+  return found

@@ -1,0 +1,89 @@
+"""What an expert-parallel model's optimizer does differently.
+
+* The gradients of the experts are summed over the expert-data group (the
+  replicas holding the same experts), not over every replica.
+* Its saved state (`save_own_variables`, used by `model.save`) holds each
+  expert weight's slots whole ([num_experts, ...]), as one device has them:
+  the slot's component on each replica holds that replica's experts only.
+"""
+
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar.expert_parallel import comm
+from tfpar.expert_parallel import variables as variables_lib
+
+
+def adopt(optimizer, context):
+  """Makes `optimizer` reduce expert gradients over expert-data groups.
+
+  Args:
+    optimizer: a Keras optimizer of a model prepared by
+      `ExpertParallelStrategy`.
+    context: the strategy's `MoEContext` (which variables are experts).
+  """
+  if getattr(optimizer, "_tfpar_experts_adopted", False):
+    return
+  original = optimizer._all_reduce_sum_gradients  # pylint: disable=protected-access
+
+  def all_reduce_sum_gradients(grads_and_vars):
+    pairs = list(grads_and_vars)
+    replica = context.replica_id()
+    experts = [i for i, (g, v) in enumerate(pairs)
+               if g is not None and context.is_expert_variable(v)]
+    if replica is None or not experts:
+      return original(pairs)
+    chosen = set(experts)
+    others = [p for i, p in enumerate(pairs) if i not in chosen]
+    reduced_others = iter(original(others)) if others else iter(())
+    grads = [tf.convert_to_tensor(pairs[i][0]) for i in experts]
+    summed = iter(comm.sum_over_expert_data_group(
+        grads, context.launchers.expert_data(replica), "experts"))
+    return [(next(summed), v) if i in chosen else next(reduced_others)
+            for i, (_, v) in enumerate(pairs)]
+
+  object.__setattr__(optimizer, "_all_reduce_sum_gradients",
+                     all_reduce_sum_gradients)
+  _install_whole_slot_saving(optimizer, context)
+  object.__setattr__(optimizer, "_tfpar_experts_adopted", True)
+
+
+def whole_entries(optimizer, context):
+  """The optimizer's variables, each slot of an expert weight as an
+  `ExpertWeight` (whole) view, in the optimizer's order."""
+  prefixes = {weight.variable.path.replace("/", "_") + "_": weight
+              for weight in context.expert_weights()}
+  entries = []
+  for item in optimizer.variables:
+    owner = next((w for p, w in prefixes.items()
+                  if item.name.startswith(p)), None)
+    if owner is None or tuple(item.shape) != tuple(owner.variable.shape):
+      entries.append(item)
+    else:
+      entries.append(variables_lib.ExpertWeight(
+          item.path, item, owner.ranks, owner.expert))
+  return entries
+
+
+def _install_whole_slot_saving(optimizer, context):
+
+  def save_own_variables(store):
+    for index, entry in enumerate(whole_entries(optimizer, context)):
+      store[str(index)] = np.asarray(entry.numpy())
+
+  def load_own_variables(store):
+    entries = whole_entries(optimizer, context)
+    if len(store.keys()) != len(entries):
+      warnings.warn(
+          f"Skipping variable loading for optimizer {optimizer.name!r}: it "
+          f"has {len(entries)} variables and the checkpoint "
+          f"{len(store.keys())}. Build the optimizer first "
+          f"(optimizer.build(model.trainable_variables)).", stacklevel=2)
+      return
+    for index, entry in enumerate(entries):
+      entry.assign(store[str(index)])
+
+  object.__setattr__(optimizer, "save_own_variables", save_own_variables)
+  object.__setattr__(optimizer, "load_own_variables", load_own_variables)

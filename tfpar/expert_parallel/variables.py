@@ -1,0 +1,143 @@
+"""Expert weights split over the expert group.
+
+An MoE layer's expert weight [E, ...] becomes a variable of shape
+[E / expert, ...] created in the strategy's scope (one component on each
+replica's head, as any replicated weight), whose component on replica r
+holds the experts of r's expert rank. Keras's optimizer creates its slots
+next to it, and `extended.update` applies each replica's own (reduced)
+gradient to its own component, so the experts of different ranks train
+apart while replicas of the same rank stay equal.
+
+`ExpertWeight` is the whole weight: it reads and assigns the [E, ...]
+tensor, which `tfpar.logical_weights` and `save_weights` use.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpar.memory import components
+from tfpar.tensor_parallel import variables as tp_variables
+
+
+class ExpertWeight:
+  """The whole [num_experts, ...] view of an expert weight split over the
+  expert group.
+
+  Args:
+    path: the original weight's path.
+    variable: the Keras variable of the local experts.
+    ranks: the expert rank of each of its components (local replicas).
+    expert: the expert-group size.
+
+  Example:
+
+  >>> weight = ExpertWeight("moe/w", keras.Variable(np.ones((2, 3))), [0], 1)
+  >>> weight.numpy().shape
+  (2, 3)
+  """
+
+  def __init__(self, path, variable, ranks, expert):
+    self.path = path
+    self.variable = variable
+    self._ranks = tuple(ranks)
+    self._expert = expert
+
+  @property
+  def shape(self):
+    local = tuple(self.variable.shape)
+    return (local[0] * self._expert,) + local[1:]
+
+  ranks = property(lambda self: self._ranks)
+  expert = property(lambda self: self._expert)
+  dtype = property(lambda self: self.variable.dtype)
+  trainable = property(lambda self: self.variable.trainable)
+  name = property(lambda self: self.path.split("/")[-1])
+
+  def components_by_rank(self):
+    """{expert rank: the first local component holding its experts}."""
+    found = {}
+    for rank, component in zip(self._ranks, components(self.variable)):
+      found.setdefault(rank, component)
+    return found
+
+  def numpy(self):
+    """The whole weight (every expert rank must be on this worker)."""
+    by_rank = self.components_by_rank()
+    missing = sorted(set(range(self._expert)) - set(by_rank))
+    if missing:
+      raise ValueError(
+          f"Expert weight {self.path!r}: the experts of rank(s) {missing} "
+          f"live on other workers, so the whole weight cannot be read here.")
+    return np.concatenate(
+        [np.asarray(by_rank[r].numpy()) for r in range(self._expert)], 0)
+
+  def assign(self, value):
+    """Sets the whole weight: each component takes its rank's experts."""
+    value = np.asarray(value)
+    if tuple(value.shape) != self.shape:
+      raise ValueError(f"Cannot assign a value of shape {value.shape} to "
+                       f"expert weight {self.path!r} of shape {self.shape}.")
+    pieces = np.split(value, self._expert, axis=0)
+    for rank, component in zip(self._ranks, components(self.variable)):
+      component.assign(pieces[rank])
+
+  def __repr__(self):
+    return (f"<ExpertWeight path={self.path} shape={self.shape} "
+            f"split over expert={self._expert}>")
+
+
+def split_expert_weight(variable, ranks, expert):
+  """A variable holding `variable`'s experts of each local replica's rank.
+
+  Call in the strategy's scope, outside any replica context.
+
+  Args:
+    variable: the built layer's Keras variable [num_experts, ...].
+    ranks: the expert rank of each local replica, in replica order.
+    expert: the expert-group size.
+
+  Returns:
+    An `ExpertWeight` whose `variable` replaces `variable` in its layer.
+  """
+  whole = np.asarray(variable.numpy())
+  pieces = np.split(whole, expert, axis=0)
+  with tf.init_scope():
+    local = keras.Variable(pieces[ranks[0]], dtype=variable.dtype,
+                           trainable=variable.trainable,
+                           name=f"{variable.name}_experts")
+    local._path = f"{variable.path}_experts"  # pylint: disable=protected-access
+    parts = components(local)
+    if len(parts) != len(ranks):
+      raise ValueError(
+          f"Expert weight {variable.path!r} got {len(parts)} component(s) for "
+          f"{len(ranks)} local replica(s).")
+    for rank, component in zip(ranks, parts):
+      component.assign(pieces[rank])
+  weight = ExpertWeight(variable.path, local, ranks, expert)
+  # Keras's get_weights / set_weights speak whole weights
+  # (`tfpar.tensor_parallel.whole_weights`): the local variable is the one
+  # "shard" of its whole weight.
+  local._tfpar_shard_of = (weight, 0)  # pylint: disable=protected-access
+  return weight
+
+
+def replace(owner, variable, weight):
+  """Puts `weight.variable` where `variable` was in `owner`'s variable
+  lists and attributes, and `weight` in its logical order (whole weights
+  for `tfpar.logical_weights` and `save_weights`)."""
+  order = getattr(owner, "_tfpar_logical_order", None)
+  if order is None:
+    order = list(owner._trainable_variables + owner._non_trainable_variables)  # pylint: disable=protected-access
+    object.__setattr__(owner, "_tfpar_logical_order", order)
+  order[[i for i, v in enumerate(order) if v is variable][0]] = weight
+  for store in (owner._trainable_variables, owner._non_trainable_variables):  # pylint: disable=protected-access
+    for position, item in enumerate(store):
+      if item is variable:
+        store[position] = weight.variable
+  for attribute, value in list(vars(owner).items()):
+    if value is variable:
+      object.__setattr__(owner, attribute, weight.variable)
+  # Saves and loads `owner`'s logical order (whole weights), as tensor
+  # parallelism does for its shards.
+  tp_variables._install_logical_saving(owner)  # pylint: disable=protected-access
