@@ -47,6 +47,7 @@ def adopt(optimizer, context):
   object.__setattr__(optimizer, "_all_reduce_sum_gradients",
                      all_reduce_sum_gradients)
   _install_whole_slot_saving(optimizer, context)
+  _checkpoint_whole_slots_once_built(optimizer, context)
   object.__setattr__(optimizer, "_tfpar_experts_adopted", True)
 
 
@@ -65,6 +66,27 @@ def whole_entries(optimizer, context):
       entries.append(variables_lib.ExpertWeight(
           item.path, item, owner.ranks, owner.expert))
   return entries
+
+
+def _checkpoint_whole_slots_once_built(optimizer, context):
+  """`tf.train.Checkpoint` saves each expert slot whole (as the weights)."""
+
+  def install():
+    for entry in whole_entries(optimizer, context):
+      if isinstance(entry, variables_lib.ExpertWeight):
+        variables_lib.checkpoint_whole(entry.variable, entry.ranks,
+                                       entry.expert)
+
+  if optimizer.built:
+    install()
+    return
+  build = optimizer.build
+
+  def build_then_install(variables):
+    build(variables)
+    install()
+
+  object.__setattr__(optimizer, "build", build_then_install)
 
 
 def _install_whole_slot_saving(optimizer, context):

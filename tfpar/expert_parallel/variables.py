@@ -115,11 +115,46 @@ def split_expert_weight(variable, ranks, expert):
     for rank, component in zip(ranks, parts):
       component.assign(pieces[rank])
   weight = ExpertWeight(variable.path, local, ranks, expert)
+  checkpoint_whole(local, ranks, expert)
   # Keras's get_weights / set_weights speak whole weights
   # (`tfpar.tensor_parallel.whole_weights`): the local variable is the one
   # "shard" of its whole weight.
   local._tfpar_shard_of = (weight, 0)  # pylint: disable=protected-access
   return weight
+
+
+def checkpoint_whole(variable, ranks, expert):
+  """Makes `tf.train.Checkpoint` save `variable` (a Keras variable whose
+  component on each local replica holds that replica's experts, or their
+  optimizer slots) as the whole [num_experts, ...] tensor, and restore each
+  component's experts from it. TF saves a distributed variable's first
+  component alone, which here would be the experts of rank 0 only.
+
+  Args:
+    variable: a Keras variable of local experts.
+    ranks: the expert rank of each of its components.
+    expert: the expert-group size.
+  """
+  whole = ExpertWeight(variable.path, variable, ranks, expert)
+
+  def serialize_to_tensors():
+    by_rank = whole.components_by_rank()
+    missing = sorted(set(range(expert)) - set(by_rank))
+    if missing:
+      raise ValueError(
+          f"tf.train.Checkpoint cannot save expert weight {variable.path!r} "
+          f"from this worker: the experts of rank(s) {missing} live on other "
+          f"workers. Use tfpar.save_weights(model, path).")
+    return {"VARIABLE_VALUE": tf.concat(
+        [tf.convert_to_tensor(by_rank[r]) for r in range(expert)], 0)}
+
+  def restore_from_tensors(restored_tensors):
+    pieces = tf.split(restored_tensors["VARIABLE_VALUE"], expert, axis=0)
+    return tf.group([component.assign(pieces[rank]) for rank, component
+                     in zip(ranks, components(variable))])
+
+  object.__setattr__(variable, "_serialize_to_tensors", serialize_to_tensors)
+  object.__setattr__(variable, "_restore_from_tensors", restore_from_tensors)
 
 
 def replace(owner, variable, weight):
