@@ -3,11 +3,14 @@ every strategy's `describe()` (the recipes' describe names the same)."""
 
 
 def _policy_names(model):
-  """Dtype policy names of the model and its layers that hold weights."""
+  """Dtype policy names of the model, its layers that hold weights and
+  those of nested models (through the public `layers`)."""
   names = {model.dtype_policy.name}
-  names.update(layer.dtype_policy.name
-               for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
-               if layer.weights and hasattr(layer, "dtype_policy"))
+  for layer in getattr(model, "layers", ()):
+    if getattr(layer, "layers", None):
+      names.update(_policy_names(layer))
+    elif layer.weights:
+      names.add(layer.dtype_policy.name)
   return sorted(names)
 
 

@@ -262,7 +262,9 @@ def accumulation_steps(steps, optimizer=None):
   2
   """
   if steps is None:
-    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    # A LossScaleOptimizer (mixed_float16) accumulates in its inner one.
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    steps = getattr(inner, "gradient_accumulation_steps", None)
     if not isinstance(steps, numbers.Integral) or isinstance(steps, bool):
       return None  # Not a Keras optimizer, or no accumulation.
   units.check_positive_int(
