@@ -3,10 +3,10 @@
 Like the seeds' ZeRO chart, for the user's own model: one bar per
 candidate, parameters (blue), gradients (amber), optimizer state (green),
 activations (purple) and gradient accumulators (orange) stacked, the
-memory per device as a red line, the recommended bar framed in black, each bar labelled with its layout
-("NOT YET" under layouts tfpar cannot run yet) and total (red when it
-does not fit). Drawn with NumPy and encoded with
-`tf.io.encode_png`, so no plotting package is needed.
+memory per device as a red line, the recommended bar framed in black,
+each bar labelled with its layout ("NOT YET" under layouts tfpar cannot
+run yet) and total (red when it does not fit). Drawn with NumPy and
+encoded with `tf.io.encode_png`, so no plotting package is needed.
 """
 
 import math

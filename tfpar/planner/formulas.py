@@ -23,9 +23,9 @@ under "mixed"): whole under plain data parallelism and ZeRO-1, 1/N under
 ZeRO-2/3 (as tfpar.ZeRO slices them; on the host with offload).
 
 Tensor parallelism of degree t divides the split weights (and their
-gradients, slots and accumulators) by t; pipeline parallelism of degree p leaves each
-device one stage. CPU offload moves the optimizer state to host memory.
-Activations: see `activation_bytes`.
+gradients, slots and accumulators) by t; pipeline parallelism of degree p
+leaves each device one stage. CPU offload moves the optimizer state to host
+memory. Activations: see `activation_bytes`.
 """
 
 import dataclasses
