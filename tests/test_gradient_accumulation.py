@@ -182,3 +182,41 @@ def test_accumulation_with_loss_scaling_trains_like_one_device(layout):
   assert loss <= 2 * spread_loss + 1e-5, (layout, loss, spread_loss)
   assert weights <= 2 * spread_weights + 1e-5, (layout, weights,
                                                 spread_weights)
+
+
+@pytest.mark.parametrize("steps", [0, 1, -1, 2.5, True])
+def test_bad_accumulation_steps_are_value_errors_on_every_path(steps):
+  """A recipe, the planner and Keras's own optimizers (which tfpar's
+  strategies use unchanged) refuse them before any work, naming the key.
+  Keras takes 0 as "off" and, as of Keras 3.15, lets a float such as 2.5
+  through to a TypeError in the first step, on one device too."""
+  from tfpar import planner  # pylint: disable=g-import-not-at-top
+  from tfpar.recipes import schema  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"training\.gradient_accumulation_"
+                     r"steps must be an integer of at least 2"):
+    schema.validate({"strategy": {"kind": "data_parallel"},
+                     "training": {"gradient_accumulation_steps": steps}},
+                    "mine")
+  if steps != 1:  # 1 is "no accumulation" for the planner.
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps must "
+                       r"be a positive integer"):
+      planner.plan(1e6, 4, "16GB", gradient_accumulation_steps=steps)
+  if steps in (1, -1, True):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+      keras.optimizers.Adam(gradient_accumulation_steps=steps)
+
+
+def test_an_unknown_policy_is_a_value_error_on_every_path():
+  from tfpar import planner  # pylint: disable=g-import-not-at-top
+  from tfpar.recipes import schema  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"training\.precision must be one of "
+                     r"\['float32', 'mixed_float16', 'mixed_bfloat16'\].*"
+                     r"Received: training\.precision='mixed_fp8'"):
+    schema.validate({"strategy": {"kind": "data_parallel"},
+                     "training": {"precision": "mixed_fp8"}}, "mine")
+  with pytest.raises(ValueError, match=r"precision must be one of .*"
+                     r"Received: precision='mixed_fp8'"):
+    planner.plan(1e6, 4, "16GB", precision="mixed_fp8")
+  with pytest.raises(ValueError, match="mixed_fp8"):
+    keras.mixed_precision.set_global_policy("mixed_fp8")
+  assert keras.mixed_precision.global_policy().name == "float32"

@@ -64,7 +64,7 @@ def test_describe_reports_coverage_of_a_keras_hub_model():
   with strategy.scope():
     model = hub_common.language_model("llama")
   lines = strategy.describe(model, print_fn=None).splitlines()
-  split_line, replicated_line = lines[-3], lines[-2]
+  split_line, replicated_line = lines[-4], lines[-3]
   fraction = float(split_line.split(": ")[1].split("%")[0]) / 100
   total = sum(int(np.prod(v.shape)) for v in
               hub_common.language_model("llama").weights)

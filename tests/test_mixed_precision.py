@@ -257,3 +257,24 @@ def test_the_loss_scale_grows_as_on_one_device(mixed_float16):
     assert scale == reference[1]
     assert max(float(np.abs(a - b).max())
                for a, b in zip(weights, reference[0])) < 1e-3
+
+
+def test_describe_names_the_policy_and_the_accumulation(mixed_float16):
+  tensor = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2, "tensor": 2}))
+  pipeline = tfpar.PipelineParallelStrategy(
+      tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2)
+  expected = ("training: policy float32, mixed_float16 (variables float32, "
+              "compute float16); dynamic loss scaling; gradient accumulation "
+              "over 4 steps")  # float32: the head's own policy.
+  for strategy in (tensor, pipeline):
+    with strategy.scope():
+      model = _chain()
+      model.compile(keras.optimizers.Adam(gradient_accumulation_steps=4),
+                    "mse")
+    assert strategy.describe(model, print_fn=None).splitlines()[-1] == (
+        expected)
+    plan_text = tfpar.ShardingPlan().describe(model, strategy,
+                                              print_fn=None)
+    assert plan_text.splitlines()[-1] == expected
+  assert pipeline.describe_stages(model, print_fn=None).splitlines()[-1] == (
+      expected)

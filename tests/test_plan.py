@@ -1,6 +1,7 @@
 """Tests of the memory planner: `tfpar.planner.plan` and `tfpar plan`."""
 
 import argparse
+import re
 
 import numpy as np
 import pytest
@@ -113,6 +114,93 @@ def test_estimates_agree_with_memory_report(name):
   assert estimate.optimizer == pytest.approx(measured_optimizer, rel=0.03)
   # No device holds more than the fullest one the planner names.
   assert max(report.parameters.values()) == measured_parameters
+
+
+def _accumulating_data_parallel(stage):
+  strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}))
+  with strategy.scope():
+    model = dp_common.build_model(gradient_accumulation_steps=2)
+  x, y = dp_common.make_data()
+  _fit_one_step(model, x, y, 32, [tfpar.ZeRO(stage=stage)] if stage else [])
+  return strategy, model, dp_common.build_model(), Layout(data=4, zero=stage)
+
+
+def _accumulating_tensor_parallel():
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2,
+                                                      "tensor": 2}))
+  with strategy.scope():
+    model = tp_common.compile_model(tp_common.mlp(),
+                                    gradient_accumulation_steps=2)
+  x, y = tp_common.data("mlp", count=8)
+  _fit_one_step(model, x, y, 8)
+  return (strategy, model, tp_common.compile_model(tp_common.mlp()),
+          Layout(data=2, tensor=2))
+
+
+ACCUMULATING = {
+    "data parallel": lambda: _accumulating_data_parallel(None),
+    "ZeRO-1": lambda: _accumulating_data_parallel(1),
+    "ZeRO-2": lambda: _accumulating_data_parallel(2),
+    "tensor parallel": _accumulating_tensor_parallel,
+}
+
+
+def _accumulator_bytes(optimizer):
+  """{device: bytes} of the optimizer's gradient accumulators, counted from
+  each per-device tf.Variable."""
+  found = {}
+  for variable in optimizer.variables:
+    if not variable.name.endswith("gradient_accumulator"):
+      continue
+    value = getattr(variable, "_value", variable)
+    for component in getattr(value, "values", (value,)):
+      found[component.device] = found.get(component.device, 0) + (
+          component.shape.num_elements() * component.dtype.size)
+  return found
+
+
+@pytest.mark.parametrize("name", list(ACCUMULATING))
+def test_gradient_accumulators_are_counted_as_keras_keeps_them(name):
+  strategy, model, reference, layout = ACCUMULATING[name]()
+  measured = _accumulator_bytes(model.optimizer)
+  # Keras keeps one accumulator per trainable weight, as large as it.
+  weight_bytes = sum(4 * int(np.prod(v.shape))
+                     for v in reference.trainable_weights)
+  assert sum(measured.values()) >= weight_bytes
+  estimate = planner.estimate_layout(reference, layout,
+                                     gradient_accumulation_steps=2)
+  without = planner.estimate_layout(reference, layout)
+  device = strategy.mesh.replica_devices(0)[estimate.stage * layout.tensor]
+  print(f"\n| {name} | {layout.name} | {estimate.accumulators:,} | "
+        f"{measured[device]:,} |")
+  assert without.accumulators == 0
+  assert estimate.total == without.total + estimate.accumulators
+  assert estimate.accumulators == pytest.approx(measured[device], rel=0.03)
+  assert max(measured.values()) == measured[device]
+  # The optimizer's other state is what the estimate says it is.
+  report = tfpar.memory_report(model).optimizer[device]
+  assert estimate.optimizer == pytest.approx(report - measured[device],
+                                             rel=0.03)
+
+
+def test_plan_takes_accumulation_from_the_optimizer_and_the_flag(tmp_path):
+  from tfpar import recipes  # pylint: disable=g-import-not-at-top
+  accumulating = dp_common.build_model(gradient_accumulation_steps=4)
+  result = planner.plan(accumulating, 4, "1GB", batch_size=32)
+  assert result.gradient_accumulation_steps == 4
+  assert "gradient accumulation over 4 steps" in result.title()
+  assert "accumulators" in result.table().splitlines()[1]
+  path = result.write_recipe(str(tmp_path / "planned.toml"))
+  assert recipes.load(path).training == {"gradient_accumulation_steps": 4}
+  plain = planner.plan(dp_common.build_model(), 4, "1GB", batch_size=32)
+  assert plain.gradient_accumulation_steps is None
+  assert "accumulators" not in plain.table()
+  flagged = planner.plan(dp_common.build_model(), 4, "1GB", batch_size=32,
+                         gradient_accumulation_steps=4)
+  assert _totals(flagged) == _totals(result)
+  # On the device, or with ZeRO-2/3 offload on the host.
+  assert all(c.memory.accumulators or (c.layout.offload and c.layout.zero > 1)
+             for c in flagged.candidates)
 
 
 def test_activations_follow_layer_output_shapes():
@@ -258,6 +346,9 @@ def test_nothing_fits_says_so():
      r"batch_size=0"),
     (dict(model="big"), r"model must be a built Keras model or a parameter "
      r"count.*Received: model='big'"),
+    (dict(gradient_accumulation_steps=0), r"gradient_accumulation_steps "
+     r"must be a positive integer \(1 for no accumulation\)\. Received: "
+     r"gradient_accumulation_steps=0"),
 ])
 def test_bad_input_names_the_setting(kwargs, pattern):
   settings = dict(model=1e6, devices=4, memory_per_device="16GB")
@@ -323,6 +414,34 @@ def _cli(argv):
   parser = argparse.ArgumentParser(prog="tfpar")
   planner_cli.add_parser(parser.add_subparsers(dest="command"))
   return planner_cli.run(parser.parse_args(argv))
+
+
+def test_cli_counts_accumulators_and_writes_them_to_the_recipe(
+    capsys, tmp_path):
+  from tfpar import recipes  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / "planned.toml")
+  code = _cli(["plan", "--parameters", "7.5e9", "--devices", "64",
+               "--memory-per-device", "40GB", "--precision", "mixed_bfloat16",
+               "--gradient-accumulation-steps", "8", "--write-recipe", path])
+  out = capsys.readouterr().out
+  assert code == 0
+  # 4 bytes per parameter, whole under plain data parallelism and ZeRO-1,
+  # 1/64 under ZeRO-2/3.
+  lines = out.splitlines()
+  header = re.split(r"\s{2,}", lines[1])
+  column = header.index("accumulators")
+  rows = {cells[0].lstrip("* "): cells for cells in (
+      re.split(r"\s{2,}", line) for line in lines[2:]) if len(cells) > 4}
+  assert rows["DP64"][column] == "30 GB"
+  assert rows["DP64 + ZeRO-1"][column] == "30 GB"
+  assert rows["DP64 + ZeRO-2"][column] == "469 MB"
+  assert rows["DP64 + ZeRO-3"][column] == "469 MB"
+  assert recipes.load(path).training == {"precision": "mixed_bfloat16",
+                                         "gradient_accumulation_steps": 8}
+  assert _cli(["plan", "--parameters", "1e6", "--devices", "4",
+               "--memory-per-device", "16GB", "--gradient-accumulation-steps",
+               "-1"]) == 2
+  assert "gradient_accumulation_steps=-1" in capsys.readouterr().err
 
 
 def test_cli_model_free(capsys):

@@ -93,10 +93,12 @@ def test_policy_trains_like_one_device(policy, layout):
   loss, weights = _difference(result, reference)
   print(f"{policy} {layout}: losses {loss:.1e} weights {weights:.1e}; "
         f"mirrored {spread_loss:.1e} / {spread_weights:.1e}")
-  # A tensor axis rounds each device's partial product to the compute dtype
-  # before the partial products are summed (as Megatron does), where one
-  # device rounds the whole product once: in bfloat16 (8 bits of mantissa)
-  # that is measured at 1.3x-2.1x the spread of MirroredStrategy.
+  # A tensor axis rounds each device's partial sums to the compute dtype
+  # before they are summed (as Megatron does), where one device rounds the
+  # whole product once: in bfloat16 (8 bits of mantissa) that is measured
+  # at 1.3x-2.1x the spread of MirroredStrategy (sequence parallelism's
+  # 2.1x is in the attention key biases, whose gradient is 0 in exact
+  # arithmetic; docs/precision_and_accumulation.md has the references).
   factor = 3 if "tensor" in layout and policy == "mixed_bfloat16" else 2
   assert loss <= factor * spread_loss + 1e-5, (loss, spread_loss)
   assert weights <= factor * spread_weights + 1e-5, (weights,

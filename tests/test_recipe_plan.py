@@ -81,7 +81,8 @@ def _placed_devices(model):
 
 def _described_devices(text):
   """{variable path: device cell} of `strategy.describe`'s table."""
-  rows = text.splitlines()[2:-3]  # Then coverage (2 lines) and mesh.
+  # Then coverage (2 lines), mesh and training.
+  rows = text.splitlines()[2:-4]
   return {row.split()[0]: row.split("  ")[-1].strip() for row in rows}
 
 

@@ -157,11 +157,12 @@ def test_describe_lists_every_variable():
   lines = text.splitlines()
   assert lines[0].split() == ["variable", "full", "shape", "style", "shard",
                               "shape", "devices"]
-  rows = {line.split()[0]: line for line in lines[2:-3]}
+  rows = {line.split()[0]: line for line in lines[2:-4]}
   assert sorted(rows) == sorted(v.path for v in tp_common.gpt().weights)
-  assert lines[-3].startswith("split over the tensor axis: ")
-  assert lines[-2].startswith("replicated (") and "block0_ln1/gamma" in lines[
-      -2] and "block0_mlp_in/kernel" not in lines[-2]
+  assert lines[-4].startswith("split over the tensor axis: ")
+  assert lines[-3].startswith("replicated (") and "block0_ln1/gamma" in lines[
+      -3] and "block0_mlp_in/kernel" not in lines[-3]
+  assert lines[-1] == ("training: policy float32; not compiled")
   assert ("(16, 64)    ColumnParallel axis 1  (16, 32)     "
           "0: CPU:0,CPU:2 | 1: CPU:1,CPU:3") in rows["block0_mlp_in/kernel"]
   assert "RowParallel axis 0" in rows["block0_mlp_out/kernel"]

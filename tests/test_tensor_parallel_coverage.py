@@ -37,9 +37,9 @@ def test_replicate_rule_accepts_it_and_describe_lists_it():
   with strategy.scope():
     model = _wide_head_model()
   lines = strategy.describe(model, print_fn=None).splitlines()
-  assert lines[-3] == ("split over the tensor axis: 32.5% of the parameters "
+  assert lines[-4] == ("split over the tensor axis: 32.5% of the parameters "
                        "(1,056 of 3,248)")
-  assert lines[-2].startswith("replicated (3): wide/kernel (2,048), "
+  assert lines[-3].startswith("replicated (3): wide/kernel (2,048), "
                               "wide/bias (128)")
 
 

@@ -1,5 +1,6 @@
 """3D parallelism: a pipeline whose stages are tensor-parallel, replicated
-over `data`, with and without tfpar.ZeRO, equal to one device.
+over `data`, with and without tfpar.ZeRO, equal to one device (under
+Keras's mixed policies: within the spread of stock MirroredStrategy).
 
 The 8-device runs need their own virtual CPUs, so they run
 tests/workers/td_worker.py in a subprocess (this process has 4), and
@@ -20,6 +21,8 @@ import tfpar
 import tp_common
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "td_worker.py")
+PRECISION_WORKER = os.path.join(os.path.dirname(__file__), "workers",
+                                "td_precision_worker.py")
 TIMEOUT = 400
 
 
@@ -97,6 +100,39 @@ def _assert_zero_slices_over_data(reference, result, zero_stage):
   copies = 1 if zero_stage == 3 else result["num_replicas"]
   assert abs(held - copies * weights) < 0.02 * copies * weights, (held,
                                                                   weights)
+
+
+def test_3d_under_mixed_policies_and_accumulation_matches_one_device(
+    tmp_path):
+  """data 2 x pipeline 2 x tensor 2, with and without ZeRO-2, under
+  mixed_float16 (loss scaling) and mixed_bfloat16: within the spread of
+  stock MirroredStrategy (2 CPUs) vs one device under the same policy,
+  measured in the same process. With ZeRO-2 and
+  Adam(gradient_accumulation_steps=2) (float32): equal to one device with
+  the same k."""
+  out = str(tmp_path / "precision.json")
+  # 11 trainings, 5 of them 3D: about 12.5 min measured on 2 cores shared
+  # with a load average of 8.
+  run = subprocess.run([sys.executable, PRECISION_WORKER, out],
+                       capture_output=True, text=True, timeout=1800)
+  assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+  results = json.load(open(out))
+  for policy in ("mixed_float16", "mixed_bfloat16"):
+    spread_loss, spread_weights = results[policy]["mirrored"]
+    # A tensor axis rounds each device's partial sums to the compute dtype
+    # (see test_precision_matrix): 3x under bfloat16.
+    factor = 3 if policy == "mixed_bfloat16" else 2
+    for layout in ("3d", "3d ZeRO-2"):
+      loss, weights = results[policy][layout]
+      print(f"{policy} {layout}: losses {loss:.1e} weights {weights:.1e}; "
+            f"mirrored {spread_loss:.1e} / {spread_weights:.1e}")
+      assert loss <= factor * spread_loss + 1e-5, (policy, layout, loss)
+      assert weights <= factor * spread_weights + 1e-5, (policy, layout,
+                                                         weights)
+  accumulation = results["float32, accumulation 2"]
+  print(f"float32, accumulation 2: {accumulation}")
+  assert max(accumulation["3d ZeRO-2"]) < 1e-5, accumulation
+  assert min(accumulation["one device without accumulation"]) > 1e-3
 
 
 def test_3d_across_two_workers_with_zero2_matches_one_device(reference,

@@ -6,6 +6,7 @@ import warnings
 
 from tfpar import mesh as mesh_lib
 from tfpar.engine import strategy as engine_strategy
+from tfpar.engine import training_summary
 from tfpar.pipeline import cross_worker
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import schedules
@@ -164,7 +165,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
   def describe_stages(self, model, print_fn=print):
     """Prints (and returns) how `model` is cut: each stage's layers, share
     of the estimated cost, parameter count and devices (replica 0; with a
-    `tensor` axis, the stage's tensor group).
+    `tensor` axis, the stage's tensor group), then the dtype policy and
+    gradient accumulation.
 
     Args:
       model: a built model created in this strategy's scope.
@@ -177,6 +179,7 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     tensor = self.mesh.shape["tensor"]
     text = plan.describe([" ".join(devices[s * tensor:(s + 1) * tensor])
                           for s in range(len(plan))])
+    text += "\n" + training_summary.training_line(model)
     if print_fn is not None:
       print_fn(text)
     return text

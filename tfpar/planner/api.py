@@ -13,7 +13,8 @@ from tfpar.planner import units
 
 def plan(model, devices, memory_per_device, batch_size=None,
          precision="fp32", optimizer=None, node_size=None,
-         num_microbatches=None, schedule="1f1b", sharding_plan=None):
+         num_microbatches=None, schedule="1f1b", sharding_plan=None,
+         gradient_accumulation_steps=None):
   """Memory per device of every layout of `model` on `devices` devices.
 
   For each candidate layout (data parallelism, ZeRO 1/2/3, CPU offload,
@@ -44,6 +45,9 @@ def plan(model, devices, memory_per_device, batch_size=None,
     schedule: "1f1b" or "gpipe".
     sharding_plan: the `tfpar.ShardingPlan` for tensor parallelism
       (default: the built-in plan).
+    gradient_accumulation_steps: k, the optimizer's
+      `gradient_accumulation_steps` (1 for none); counts Keras's gradient
+      accumulators. Default: the optimizer's own setting.
 
   Returns:
     A `PlanResult`: print it for the table; `.recommended`, `.reason`,
@@ -72,8 +76,10 @@ def plan(model, devices, memory_per_device, batch_size=None,
   if num_microbatches is not None:
     units.check_positive_int(num_microbatches, "num_microbatches")
   profile = _profile(model, sharding_plan)
-  slots = optimizer_slots(optimizer if optimizer is not None
-                          else getattr(model, "optimizer", None))
+  optimizer = (optimizer if optimizer is not None
+               else getattr(model, "optimizer", None))
+  slots = optimizer_slots(optimizer)
+  steps = accumulation_steps(gradient_accumulation_steps, optimizer)
   notes = []
   found, skipped = [], {}
   for layout in candidates_lib.layouts(devices, node_size,
@@ -97,7 +103,7 @@ def plan(model, devices, memory_per_device, batch_size=None,
                          f"TP{layout.tensor} x PP{layout.pipeline}: {error}")
       continue
     found.append(_candidate(layout, loads, profile, limit, batch, precision,
-                            slots))
+                            slots, steps))
   if not found:
     raise ValueError(
         f"No layout of {devices} devices applies to {profile.name!r}: "
@@ -107,11 +113,12 @@ def plan(model, devices, memory_per_device, batch_size=None,
   recommended, reason = recommend_lib.recommend(found, limit, devices)
   return result_lib.PlanResult(
       profile.name, devices, limit, precision, batch, slots, tuple(found),
-      recommended, reason, tuple(notes), profile.has_activations)
+      recommended, reason, tuple(notes), profile.has_activations, steps)
 
 
 def estimate_layout(model, layout, precision="fp32", optimizer=None,
-                    batch_size=None, sharding_plan=None):
+                    batch_size=None, sharding_plan=None,
+                    gradient_accumulation_steps=None):
   """Bytes on the fullest device of one layout.
 
   With a parameter count: the ZeRO paper's formulas for the model states
@@ -127,6 +134,7 @@ def estimate_layout(model, layout, precision="fp32", optimizer=None,
       the model's compiled optimizer, else Adam's 2).
     batch_size: the global batch (default: the layout's device count).
     sharding_plan: the `tfpar.ShardingPlan` for tensor parallelism.
+    gradient_accumulation_steps: as for `plan`.
 
   Returns:
     A `MemoryEstimate` (its `stage` is the fullest device's stage).
@@ -148,10 +156,12 @@ def estimate_layout(model, layout, precision="fp32", optimizer=None,
   batch = units.check_positive_int(
       layout.devices if batch_size is None else batch_size, "batch_size")
   profile = _profile(model, sharding_plan)
-  slots = optimizer_slots(optimizer if optimizer is not None
-                          else getattr(model, "optimizer", None))
+  optimizer = (optimizer if optimizer is not None
+               else getattr(model, "optimizer", None))
+  slots = optimizer_slots(optimizer)
+  steps = accumulation_steps(gradient_accumulation_steps, optimizer)
   loads = profile.stages(layout.tensor, layout.pipeline)
-  return _fullest(layout, loads, profile, batch, precision, slots)
+  return _fullest(layout, loads, profile, batch, precision, slots, steps)
 
 
 def _profile(model, sharding_plan):
@@ -168,24 +178,28 @@ def _profile(model, sharding_plan):
   return profile_lib.KerasProfile(model, sharding_plan)
 
 
-def _candidate(layout, loads, profile, limit, batch, precision, slots):
-  best = _fullest(layout, loads, profile, batch, precision, slots)
+def _candidate(layout, loads, profile, limit, batch, precision, slots,
+               steps):
+  best = _fullest(layout, loads, profile, batch, precision, slots, steps)
   runs, why = candidates_lib.supported(layout)
   return result_lib.Candidate(layout, best, best.total <= limit, runs, why,
                               candidates_lib.rank(layout))
 
 
-def _fullest(layout, loads, profile, batch, precision, slots):
+def _fullest(layout, loads, profile, batch, precision, slots, steps=None):
   """The `MemoryEstimate` of the stage with the most bytes."""
   best = None
   for stage, load in enumerate(loads):
     parameters, gradients, optimizer, host = formulas.model_states(
         load.trainable, load.non_trainable, layout, precision, slots)
+    accumulators, host_accumulators = formulas.accumulator_bytes(
+        load.trainable, layout, precision, steps)
     activations = (formulas.activation_bytes(
         load.kept, load.inputs, layout, stage, batch, precision)
                    if profile.has_activations else 0)
     memory = formulas.MemoryEstimate(parameters, gradients, optimizer,
-                                     activations, host, stage)
+                                     activations, host + host_accumulators,
+                                     stage, accumulators)
     if best is None or memory.total > best.total:
       best = memory
   return best
@@ -223,6 +237,40 @@ def _assumptions(profile, devices, node_size, precision):
       "Estimates leave out temporary buffers, the framework's workspace and "
       "fragmentation; keep some headroom.")
   return notes
+
+
+def accumulation_steps(steps, optimizer=None):
+  """k, the gradient accumulation steps to plan for, or None for none.
+
+  Args:
+    steps: a positive int (1: no accumulation), or None to take the
+      `gradient_accumulation_steps` of `optimizer` when it is a Keras
+      optimizer.
+    optimizer: what `plan` got as its optimizer (or the model's).
+
+  Raises:
+    ValueError: `steps` is not a positive integer.
+
+  Example:
+
+  >>> import keras
+  >>> from tfpar.planner.api import accumulation_steps
+  >>> accumulation_steps(4), accumulation_steps(1)
+  (4, None)
+  >>> accumulation_steps(None, keras.optimizers.SGD(
+  ...     gradient_accumulation_steps=2))
+  2
+  """
+  if steps is None:
+    # A LossScaleOptimizer (mixed_float16) accumulates in its inner one.
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    steps = getattr(inner, "gradient_accumulation_steps", None)
+    if not isinstance(steps, numbers.Integral) or isinstance(steps, bool):
+      return None  # Not a Keras optimizer, or no accumulation.
+  units.check_positive_int(
+      steps, "gradient_accumulation_steps",
+      "a positive integer (1 for no accumulation)")
+  return int(steps) if steps >= 2 else None
 
 
 def optimizer_slots(optimizer):

@@ -1,12 +1,12 @@
 """The planner's picture: memory per device as stacked bars, as a PNG.
 
 Like the seeds' ZeRO chart, for the user's own model: one bar per
-candidate, parameters (blue), gradients (amber), optimizer state (green)
-and activations (purple) stacked, the memory per device as a red line,
-the recommended bar framed in black, each bar labelled with its layout
-("NOT YET" under layouts tfpar cannot run yet) and total (red when it
-does not fit). Drawn with NumPy and encoded with
-`tf.io.encode_png`, so no plotting package is needed.
+candidate, parameters (blue), gradients (amber), optimizer state (green),
+activations (purple) and gradient accumulators (orange) stacked, the
+memory per device as a red line, the recommended bar framed in black,
+each bar labelled with its layout ("NOT YET" under layouts tfpar cannot
+run yet) and total (red when it does not fit). Drawn with NumPy and
+encoded with `tf.io.encode_png`, so no plotting package is needed.
 """
 
 import math
@@ -17,7 +17,8 @@ from tfpar import bitmap_font as font
 from tfpar.planner import units
 
 PARTS = (("parameters", (66, 133, 244)), ("gradients", (251, 188, 4)),
-         ("optimizer", (52, 168, 83)), ("activations", (171, 71, 188)))
+         ("optimizer", (52, 168, 83)), ("activations", (171, 71, 188)),
+         ("accumulators", (255, 112, 67)))
 LIMIT = (219, 68, 55)
 INK = (40, 40, 40)
 MUTED = (150, 150, 150)

@@ -59,6 +59,11 @@ def add_parser(subcommands):
   parser.add_argument("--optimizer", default=None,
                       help="optimizer name, e.g. adam or sgd (default: the "
                       "model's, else adam)")
+  parser.add_argument("--gradient-accumulation-steps", type=int,
+                      default=None, metavar="K",
+                      help="the optimizer's gradient_accumulation_steps: "
+                      "counts Keras's gradient accumulators (default: the "
+                      "model's optimizer's, else none)")
   parser.add_argument("--node-size", type=int, default=None,
                       help="devices per node: the largest tensor degree "
                       "(default: min(N, 8))")
@@ -149,7 +154,8 @@ def run(args):
         model, args.devices, args.memory_per_device,
         batch_size=args.batch_size, precision=args.precision,
         optimizer=args.optimizer, node_size=args.node_size,
-        num_microbatches=args.microbatches, schedule=args.schedule)
+        num_microbatches=args.microbatches, schedule=args.schedule,
+        gradient_accumulation_steps=args.gradient_accumulation_steps)
   except ValueError as error:
     print(f"tfpar plan: error: {error}", file=sys.stderr)
     return 2

@@ -17,10 +17,15 @@ elements over N data-parallel replicas with K optimizer slots per weight
   each weight to the compute dtype while its layer runs, it keeps no
   half-precision copy); activations in 2 bytes.
 
+With `gradient_accumulation_steps` k >= 2, Keras's optimizer also keeps one
+accumulator per trainable weight, of the weight's shape and dtype (4Ψ; 2Ψ
+under "mixed"): whole under plain data parallelism and ZeRO-1, 1/N under
+ZeRO-2/3 (as tfpar.ZeRO slices them; on the host with offload).
+
 Tensor parallelism of degree t divides the split weights (and their
-gradients and slots) by t; pipeline parallelism of degree p leaves each
-device one stage. CPU offload moves the optimizer state to host memory.
-Activations: see `activation_bytes`.
+gradients, slots and accumulators) by t; pipeline parallelism of degree p
+leaves each device one stage. CPU offload moves the optimizer state to host
+memory. Activations: see `activation_bytes`.
 """
 
 import dataclasses
@@ -129,8 +134,11 @@ class MemoryEstimate:
     gradients: gradients (fp32: transient in Keras, alive during a step).
     optimizer: optimizer state on the device (0 when offloaded).
     activations: tensors kept for the backward pass.
-    host: optimizer state offloaded to host memory, per device.
+    host: optimizer state (and, under ZeRO-2/3, gradient accumulators)
+      offloaded to host memory, per device.
     stage: the pipeline stage of the fullest device.
+    accumulators: Keras's gradient accumulators on the device (0 without
+      `gradient_accumulation_steps`).
   """
   parameters: int
   gradients: int
@@ -138,11 +146,14 @@ class MemoryEstimate:
   activations: int
   host: int = 0
   stage: int = 0
+  accumulators: int = 0
 
   @property
   def total(self):
-    """Device bytes: parameters + gradients + optimizer + activations."""
-    return self.parameters + self.gradients + self.optimizer + self.activations
+    """Device bytes: parameters + gradients + optimizer + activations +
+    accumulators."""
+    return (self.parameters + self.gradients + self.optimizer +
+            self.activations + self.accumulators)
 
 
 def model_states(trainable, non_trainable, layout, precision="fp32",
@@ -187,6 +198,42 @@ def model_states(trainable, non_trainable, layout, precision="fp32",
   if layout.offload:
     host, optimizer = optimizer, 0
   return int(parameters), int(gradients), int(optimizer), int(host)
+
+
+def accumulator_bytes(trainable, layout, precision="fp32",
+                      accumulation_steps=None):
+  """(device, host) bytes of Keras's gradient accumulators on one device.
+
+  With `gradient_accumulation_steps` k >= 2, Keras's `BaseOptimizer.build`
+  adds one "gradient_accumulator" per trainable weight, of the weight's
+  shape and dtype (float32 under Keras's policies; the gradients' 2 bytes
+  under the ZeRO paper's "mixed"). `tfpar.ZeRO` keeps them whole at stage
+  1 and slices them 1/N at stages 2-3 (on the host with offload).
+
+  Args:
+    trainable: trainable elements on the device before ZeRO (after tensor
+      and pipeline splitting).
+    layout: the `Layout`.
+    precision: one of `PRECISIONS`.
+    accumulation_steps: k; None or 1 for no accumulation.
+
+  Example:
+
+  >>> from tfpar.planner.formulas import Layout, accumulator_bytes
+  >>> accumulator_bytes(10**6, Layout(data=4, zero=1), accumulation_steps=4)
+  (4000000, 0)
+  >>> accumulator_bytes(10**6, Layout(data=4, zero=2, offload="cpu"),
+  ...                   accumulation_steps=4)
+  (0, 1000000)
+  """
+  if not accumulation_steps or accumulation_steps < 2:
+    return 0, 0
+  buffers = zero_estimate.estimate_bytes(
+      trainable, layout.data, layout.zero, 0, accumulation=True,
+      bytes_per_element=2 if precision == "mixed" else 4).gradient_buffers
+  if layout.offload and layout.zero in (2, 3):
+    return 0, int(buffers)
+  return int(buffers), 0
 
 
 def in_flight(layout, stage):

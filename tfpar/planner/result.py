@@ -52,6 +52,8 @@ class PlanResult:
     reason: the recommendation explained (or why nothing fits).
     notes: assumptions and the layouts left out, with why.
     has_activations: whether activations were estimated (needs a model).
+    gradient_accumulation_steps: k when the plan counts Keras's gradient
+      accumulators, else None.
   """
   model_name: str
   devices: int
@@ -64,6 +66,7 @@ class PlanResult:
   reason: str
   notes: Tuple[str, ...] = ()
   has_activations: bool = True
+  gradient_accumulation_steps: Optional[int] = None
 
   def shown(self, all_candidates=False):
     """The candidates the table and the picture show, fastest first.
@@ -117,10 +120,13 @@ class PlanResult:
     """
     rows = self.shown(all_candidates)
     with_host = any(c.memory.host for c in rows)
+    with_accumulators = any(c.memory.accumulators for c in rows)
     header = ["layout", "parameters", "gradients", "optimizer",
               "activations", "total", "fits", "tfpar"]
     if with_host:
       header.insert(6, "host")
+    if with_accumulators:
+      header.insert(3, "accumulators")
     lines = [header]
     for candidate in rows:
       memory = candidate.memory
@@ -136,6 +142,8 @@ class PlanResult:
           "runs" if candidate.supported else "not yet"]
       if with_host:
         cells.insert(6, units.format_bytes(memory.host))
+      if with_accumulators:
+        cells.insert(3, units.format_bytes(memory.accumulators))
       lines.append(cells)
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     text = [self.title()]
@@ -153,10 +161,13 @@ class PlanResult:
     """One line: model, devices, memory, precision, batch."""
     batch = (f"global batch {self.batch_size}" if self.has_activations
              else "model states only")
+    steps = self.gradient_accumulation_steps
+    accumulation = (f"gradient accumulation over {steps} steps, " if steps
+                    else "")
     return (f"Memory per device for {self.model_name!r} on {self.devices} "
             f"devices with {units.format_bytes(self.memory_per_device)} each "
             f"({self.precision}, {self.slots_per_weight} optimizer slots per "
-            f"weight, {batch})")
+            f"weight, {accumulation}{batch})")
 
   def __str__(self):
     parts = [self.table(), "", self.reason]
@@ -225,5 +236,6 @@ class PlanResult:
         f"tfpar.from_recipe({path!r}).")
     with open(path, "w") as f:
       f.write(to_recipe.recipe_text(candidate.layout, comment,
-                                    self.precision))
+                                    self.precision,
+                                    self.gradient_accumulation_steps))
     return path

@@ -10,7 +10,8 @@ from tfpar.planner import candidates as candidates_lib
 from tfpar.recipes import schema
 
 
-def recipe_text(layout, comment="", precision="fp32"):
+def recipe_text(layout, comment="", precision="fp32",
+                gradient_accumulation_steps=None):
   """The TOML recipe that runs `layout` with tfpar.
 
   The mesh sizes are the layout's own (not -1): the recipe runs on the
@@ -22,6 +23,8 @@ def recipe_text(layout, comment="", precision="fp32"):
     comment: text for the file's top comment (one line per line).
     precision: the plan's precision; a Keras policy (`"mixed_float16"`,
       `"mixed_bfloat16"`) goes into the recipe's `[training]` table.
+    gradient_accumulation_steps: k >= 2 goes into `[training]` too (None
+      or 1: no accumulation).
 
   Returns:
     The recipe as a string; `tfpar.recipes.load` accepts it.
@@ -69,8 +72,14 @@ def recipe_text(layout, comment="", precision="fp32"):
     lines += ["", "[zero]", f"stage = {layout.zero}"]
     if layout.offload:
       lines.append(f'offload = "{layout.offload}"')
+  training = []
   if precision in schema.PRECISIONS and precision != "float32":
-    lines += ["", "[training]", f'precision = "{precision}"']
+    training.append(f'precision = "{precision}"')
+  if gradient_accumulation_steps and gradient_accumulation_steps > 1:
+    training.append(
+        f"gradient_accumulation_steps = {int(gradient_accumulation_steps)}")
+  if training:
+    lines += ["", "[training]"] + training
   text = "\n".join(lines) + "\n"
   schema.validate(tomllib.loads(text), name=layout.name)  # Our own check.
   return text

@@ -1,5 +1,6 @@
 """The table `ShardingPlan.describe` prints."""
 
+from tfpar.engine import training_summary
 from tfpar.tensor_parallel import coverage as coverage_lib
 from tfpar.tensor_parallel import styles
 
@@ -13,7 +14,8 @@ def _short(device, multi_worker=False):
 
 
 def describe(plan, model, strategy):
-  """One line per variable: path, full shape, style, shard shape, devices.
+  """One line per variable: path, full shape, style, shard shape, devices;
+  then the coverage, the mesh, and the dtype policy and accumulation.
 
   Args:
     plan: the `ShardingPlan`.
@@ -72,6 +74,7 @@ def describe(plan, model, strategy):
   else:
     lines.append(f"mesh: data={mesh.shape['data']} tensor={tensor_size}; "
                  f"replica r holds shard k on the k-th device of its group")
+  lines.append(training_summary.training_line(model))
   return "\n".join(lines)
 
 
