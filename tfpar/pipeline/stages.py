@@ -237,6 +237,16 @@ def _unique(items):
   return tuple(found)
 
 
+def _passed_through(inputs, outputs, name):
+  """`outputs`, with an Identity on those that are also `inputs`: Keras
+  clones a sub-model's inputs when some are not `keras.Input`s (they are
+  another stage's outputs), and an output that is an input would then be
+  disconnected from the clones."""
+  ids = {id(t) for t in inputs}
+  return [keras.layers.Identity(name=f"{name}_passes_{i}")(t)
+          if id(t) in ids else t for i, t in enumerate(outputs)]
+
+
 def _build_plan(model, graph, nodes, layers, cuts, starts):
   bounds = [0] + list(starts) + [len(nodes)]
   boundary = ([graph.input] + [list(cuts[i]) for i in starts] +
@@ -251,7 +261,10 @@ def _build_plan(model, graph, nodes, layers, cuts, starts):
     cost = sum(_layer_cost(n.operation, n) for n in stage_nodes)
     params = sum(_num_params(l) for l in stage_layers
                  if owner[id(l)] == s)
-    sub_model = keras.Model(boundary[s], boundary[s + 1],
+    outputs = boundary[s + 1]
+    if s and s < len(bounds) - 2:
+      outputs = _passed_through(boundary[s], outputs, f"{model.name}_stage{s}")
+    sub_model = keras.Model(boundary[s], outputs,
                             name=f"{model.name}_stage{s}")
     stages.append(Stage(s, stage_layers, float(cost), params, sub_model,
                         shared))
