@@ -8,14 +8,17 @@ Nothing in it is written for tfpar:
 `tfpar.TensorParallelStrategy` on data 2 x tensor 2 splits every block
 Megatron-style (attention by heads, gate and up projections column-, the
 down projection row-parallel, the embedding on the vocabulary) and prints
-its coverage table. (Pipelines of keras-hub models are not supported yet:
-their blocks pass the hidden states and the padding mask, two tensors, and
-tfpar cuts stages where one tensor crosses.)
+its coverage table. With `--layout=pipeline`,
+`tfpar.PipelineParallelStrategy` on data 2 x pipeline 2 (1F1B, 4
+micro-batches) cuts it into two stages instead: the padding mask crosses
+the cut with the hidden states, and the token embedding layer, called by
+stage 0 for the inputs and by stage 1 for the logits, lives on stage 0.
 
 One host, 4 virtual CPUs, trained byte by byte on the docstrings of a few
 Python standard-library modules (nothing downloaded):
 
   python examples/train_keras_hub_llama.py
+  python examples/train_keras_hub_llama.py --layout=pipeline
 
 Your own text, or with the network a TFDS text dataset:
 
@@ -43,6 +46,8 @@ flags.DEFINE_integer("batch_size", 16, "Global batch size (sequences).")
 flags.DEFINE_integer("sequence", 32, "Characters per training sequence.")
 flags.DEFINE_integer("layers", 2, "Llama decoder blocks.")
 flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.")
+flags.DEFINE_enum("layout", "tensor", ["tensor", "pipeline"],
+                  "data 2 x tensor 2, or data 2 x pipeline 2.")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of "
                     "the built-in standard-library docstrings.")
 flags.DEFINE_string("dataset", None, "Train on this TFDS text dataset "
@@ -69,8 +74,12 @@ def main(argv):
   if not tf.config.list_physical_devices("GPU") and not os.environ.get(
       "TF_CONFIG"):
     tfpar.configure_virtual_cpus(4)
-  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2,
-                                                      "tensor": 2}))
+  if FLAGS.layout == "pipeline":
+    strategy = tfpar.PipelineParallelStrategy(
+        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=4)
+  else:
+    strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2,
+                                                        "tensor": 2}))
   print(strategy.mesh)
 
   text = load_text(FLAGS.text_file, FLAGS.dataset)
@@ -85,11 +94,14 @@ def main(argv):
     model.compile(
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  strategy.describe(model)
+  if FLAGS.layout == "pipeline":
+    strategy.describe_stages(model)
+  else:
+    strategy.describe(model)
   history = model.fit(dataset, epochs=FLAGS.epochs,
                       steps_per_epoch=FLAGS.steps_per_epoch, verbose=2)
   losses = history.history["loss"]
-  print(f"keras-hub Llama (data 2 x tensor 2): loss {losses[0]:.4f} -> "
+  print(f"keras-hub Llama (data 2 x {FLAGS.layout} 2): loss {losses[0]:.4f} -> "
         f"{losses[-1]:.4f} ({np.log(vocabulary.size):.4f} is a uniform "
         f"guess)")
 

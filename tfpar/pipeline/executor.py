@@ -12,6 +12,8 @@ recomputation, keeps only its input and records the tape again in the
 backward); the backward takes the gradient of the stage output with the
 next stage's input gradient as `output_gradients`, and of the stage's own
 loss terms, and adds the variable gradients to the stage's running sums.
+A variable that several stages use (a tied embedding) gets the sum of
+their gradients. Integer tensors crossing a cut (padding masks) get none.
 """
 
 import contextlib
@@ -55,14 +57,30 @@ def _summable(gradient):
     return tf.convert_to_tensor(gradient)
 
 
-def _add_where_computed(total, gradient):
-  with _where_computed(gradient):
+def _add_where_computed(total, gradient, where=None):
+  with _where_computed(gradient if where is None else where):
     if isinstance(total, tf.IndexedSlices) and isinstance(
         gradient, tf.IndexedSlices):
       return tf.IndexedSlices(
           tf.concat([total.values, gradient.values], 0),
           tf.concat([total.indices, gradient.indices], 0), total.dense_shape)
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
+
+
+def _accumulate(total, gradient):
+  if total is None or gradient is None:
+    return gradient if total is None else total
+  return _add_where_computed(total, gradient)
+
+
+# One device sums an embedding's sparse gradient and the dense one of its
+# reversed use (tied logits) into a dense gradient; so does the pipeline.
+def _dense(gradient, other):
+  if isinstance(gradient, tf.IndexedSlices) and not isinstance(
+      other, tf.IndexedSlices):
+    with _where_computed(gradient):
+      return tf.convert_to_tensor(gradient)
+  return gradient
 
 
 class StageRunner:
@@ -136,7 +154,8 @@ class StageRunner:
     Returns:
       (outputs per micro-batch, total loss, {id(variable): gradient}) where
       the loss sums every micro-batch's and stage's terms and the gradients
-      sum every micro-batch's.
+      sum every micro-batch's and stage's (None for a variable no stage's
+      output depends on, as one device's tape gives).
     """
     m, p = len(microbatches), self.num_stages
     orders = schedules.stage_orders(self._schedule, p, m)
@@ -170,8 +189,15 @@ class StageRunner:
         else:
           inputs, outputs, objective, tape = saved.pop((s, k))
           if tape is None:  # Recompute the stage, recording it this time.
+            # Its state updates are undone: batch normalization's moving
+            # statistics took this micro-batch in the forward already.
+            state = self._models[s].non_trainable_variables
+            before = [tf.identity(v.value) for v in state]
             outputs, objective, tape = self._taped_forward(
                 s, k, inputs, loss_fn, extra_loss_fn)
+            for variable, value in zip(state, before):
+              # TF orders these after the forward's own assignments.
+              variable.assign(value)
           targets, upstream = [objective], [tf.ones_like(objective)]
           if s < p - 1:
             received = comm.send(input_grads.pop((s + 1, k)),
@@ -179,21 +205,33 @@ class StageRunner:
             targets += _float_tensors(outputs)
             upstream += received
           sources = (_float_tensors(inputs) if s else []) + variables[s]
-          grads = tape.gradient(
-              targets, sources, output_gradients=upstream,
-              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+          # Unconnected gradients are None: TF's zeros for a Keras variable
+          # fail on its string dtype, and a variable a stage does not use
+          # (the half of a shared layer another stage calls) has none.
+          grads = tape.gradient(targets, sources, output_gradients=upstream)
           num_inputs = len(sources) - len(variables[s])
+          input_grad = [tf.zeros_like(x) if g is None else g
+                        for x, g in zip(sources[:num_inputs], grads)]
           if s:
-            input_grads[(s, k)] = grads[:num_inputs]
-          var_grads = [_summable(g) for g in grads[num_inputs:]]
+            input_grads[(s, k)] = input_grad
+          var_grads = [None if g is None else _summable(g)
+                       for g in grads[num_inputs:]]
           grad_sums[s] = var_grads if grad_sums[s] is None else [
-              _add_where_computed(a, g)
-              for a, g in zip(grad_sums[s], var_grads)]
-          chain[s] = list(grads[:num_inputs]) + list(grad_sums[s])
+              _accumulate(a, g) for a, g in zip(grad_sums[s], var_grads)]
+          chain[s] = input_grad + _flat(grad_sums[s])
     gradients = {}
     for s in range(p):
       for variable, grad in zip(variables[s], grad_sums[s] or []):
-        gradients[id(variable)] = grad
+        key = id(variable)
+        if grad is None:
+          gradients.setdefault(key, None)
+          continue
+        if gradients.get(key) is not None:  # Several stages use it (tied).
+          # Summed where the first (owning) stage's gradient is.
+          grad = _add_where_computed(_dense(gradients[key], grad),
+                                     _dense(grad, gradients[key]),
+                                     where=gradients[key])
+        gradients[key] = grad
     total = tf.add_n([tf.identity(l) for l in losses])
     return [outputs_by_k[k] for k in range(m)], total, gradients
 

@@ -104,8 +104,9 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     """Splits each stage's layers over the stage's tensor group."""
     stage_of = {}
     for stage in plan.stages:
+      shared = {id(l) for l in stage.shared}  # Owned by an earlier stage.
       for layer in stage.layers:
-        if isinstance(layer, keras.layers.Layer):
+        if isinstance(layer, keras.layers.Layer) and id(layer) not in shared:
           for sub in layer._flatten_layers(include_self=True):  # pylint: disable=protected-access
             stage_of[id(sub)] = stage.index
     for stage in plan.stages:

@@ -1,22 +1,39 @@
 """Cutting a Keras model into pipeline stages.
 
 A `Sequential` model, or a Functional model that is a chain of blocks, has
-*cut points*: places in its layer order where exactly one tensor connects
-everything before to everything after (a residual block is one block: its
-skip connection crosses no cut inside it). Stage `s` is the sub-model from
-cut `s` to cut `s + 1`; its layers, their variables and optimizer slots go
-on the stage's device.
+*cuts* (`tfpar.pipeline.cuts`): places in its layer order where one tensor
+carries the activations from everything before to everything after, maybe
+with model inputs (keras-hub's padding mask) or masks computed from them
+alongside. A residual block is one block: its skip connection crosses no
+cut inside it. Stage `s` is the sub-model from cut `s` to cut `s + 1`: it
+takes the crossing set of its start cut and returns the crossing set of
+its end cut. Its layers, their variables and optimizer slots go on the
+stage's device.
+
+A layer called by several stages (a tied embedding: keras-hub's
+`ReversibleEmbedding` embeds the tokens in the first stage and computes
+the logits in the last) belongs to the first stage that calls it: its
+variables live there, later stages read them across devices, and the
+executor sums the gradients of every stage that uses them.
 
 Costs are estimated per layer as its multiply-adds per sample (parameters
 times the positions they are applied at) plus its output size, and
-`stages="auto"` picks the cuts that minimize the most expensive stage.
+`stages="auto"` picks the cuts that minimize the most expensive stage,
+counting the elements each cut moves (forward and back) against the
+stages on both sides of it.
 """
 
 import dataclasses
-import math
 
 import keras
 import numpy as np
+
+from tfpar.pipeline import cuts as cuts_lib
+
+# Re-exported for the planner, which estimates stages as plan_stages cuts.
+cut_points = cuts_lib.cut_points
+_ordered_nodes = cuts_lib.ordered_nodes
+_balanced_cuts = cuts_lib.balanced_cuts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,22 +42,28 @@ class Stage:
 
   Attributes:
     index: its position in the pipeline.
-    layers: its Keras layers, in order.
+    layers: the Keras layers it calls, in order, each once.
     cost: its estimated cost (multiply-adds per sample plus outputs).
-    num_params: its parameter count.
+    num_params: the parameter count of the layers it owns.
     model: the Keras sub-model computing it.
+    shared: the layers it calls that an earlier stage owns (their
+      variables live on that stage's devices).
   """
   index: int
   layers: tuple
   cost: float
   num_params: int
   model: keras.Model = dataclasses.field(repr=False, compare=False)
+  shared: tuple = ()
 
   @property
   def variables(self):
-    """Its variables (trainable and not), each once."""
+    """The variables (trainable and not) of the layers it owns, each once."""
+    shared = {id(l) for l in self.shared}
     seen, found = set(), []
     for layer in self.layers:
+      if id(layer) in shared:
+        continue
       for variable in getattr(layer, "weights", ()):
         if id(variable) not in seen:
           seen.add(id(variable))
@@ -74,7 +97,9 @@ class StagePlan:
     for stage in self.stages:
       rows.append((
           str(stage.index), str(len(stage.layers)),
-          f"{stage.layers[0].name} .. {stage.layers[-1].name}",
+          f"{stage.layers[0].name} .. {stage.layers[-1].name}" + (
+              f" (shares {', '.join(l.name for l in stage.shared)})"
+              if stage.shared else ""),
           f"{100 * stage.cost / total:.1f}%", f"{stage.num_params:,}",
           devices[stage.index] if devices else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -110,43 +135,6 @@ def functional_graph(model):
       f"model's call() cannot be cut.")
 
 
-def _ordered_nodes(graph):
-  nodes = []
-  for depth in sorted(graph._nodes_by_depth, reverse=True):  # pylint: disable=protected-access
-    nodes.extend(n for n in graph._nodes_by_depth[depth]  # pylint: disable=protected-access
-                 if not n.is_input)
-  return nodes
-
-
-def cut_points(graph, nodes):
-  """The cut tensor before each node index, where one exists.
-
-  Returns:
-    {i: tensor} for every 0 < i < len(nodes) such that `tensor` is the only
-    value computed by nodes[:i] that nodes[i:] or the outputs use, and no
-    model input is used by nodes[i:].
-  """
-  outputs = {id(t) for t in keras.tree.flatten(graph.outputs)}
-  inputs = {id(t) for t in keras.tree.flatten(graph.inputs)}
-  last_use = {}
-  for i, node in enumerate(nodes):
-    for tensor in node.input_tensors:
-      last_use[id(tensor)] = i
-  for tensor_id in outputs:
-    last_use[tensor_id] = len(nodes)
-  live = {t: last_use.get(t, -1) for t in inputs}
-  tensors = {}
-  cuts = {}
-  for i, node in enumerate(nodes[:-1]):
-    for tensor in node.outputs:
-      live[id(tensor)] = last_use.get(id(tensor), -1)
-      tensors[id(tensor)] = tensor
-    crossing = [t for t, last in live.items() if last > i]
-    if len(crossing) == 1 and crossing[0] in tensors:
-      cuts[i + 1] = tensors[crossing[0]]
-  return cuts
-
-
 def _num_params(layer):
   # Keras ops in a Functional graph (x + y, ops.*) are not layers.
   return sum(int(np.prod(w.shape)) for w in getattr(layer, "weights", ()))
@@ -159,29 +147,6 @@ def _layer_cost(layer, node):
   last = node.outputs[0].shape
   positions = int(np.prod([d or 1 for d in last[1:-1]])) if len(last) > 2 else 1
   return params * positions + out_elements
-
-
-def _balanced_cuts(costs, candidates, num_stages):
-  """Cut indices (len num_stages - 1) minimizing the largest stage cost."""
-  prefix = np.concatenate([[0.0], np.cumsum(costs)])
-  points = [0] + sorted(candidates) + [len(costs)]
-  # best[k][j]: minimal max-cost splitting nodes[:points[j]] into k stages.
-  best = [[math.inf] * len(points) for _ in range(num_stages + 1)]
-  choice = [[None] * len(points) for _ in range(num_stages + 1)]
-  best[0][0] = 0.0
-  for k in range(1, num_stages + 1):
-    for j in range(1, len(points)):
-      for i in range(j):
-        if best[k - 1][i] == math.inf:
-          continue
-        value = max(best[k - 1][i], prefix[points[j]] - prefix[points[i]])
-        if value < best[k][j]:
-          best[k][j], choice[k][j] = value, i
-  cuts, j = [], len(points) - 1
-  for k in range(num_stages, 0, -1):
-    j = choice[k][j]
-    cuts.append(points[j])
-  return sorted(cuts)[1:]
 
 
 def plan_stages(model, num_stages, stages="auto"):
@@ -210,27 +175,25 @@ def plan_stages(model, num_stages, stages="auto"):
   ['d0', 'd2']
   """
   graph = functional_graph(model)
-  nodes = _ordered_nodes(graph)
+  nodes = cuts_lib.ordered_nodes(graph)
   if len(nodes) < num_stages:
     raise ValueError(
         f"Model {model.name!r} has {len(nodes)} layers, fewer than the "
         f"{num_stages} pipeline stages: each stage needs at least one layer. "
         f"Use a smaller 'pipeline' axis.")
   layers = [n.operation for n in nodes]
-  if len({id(l) for l in layers}) != len(layers):
-    raise ValueError(
-        f"Model {model.name!r} calls a layer more than once (shared "
-        f"layers), so it cannot be cut into pipeline stages.")
-  cuts = cut_points(graph, nodes)
+  cuts = cuts_lib.crossings(graph, nodes)
   if stages == "auto":
     if len(cuts) < num_stages - 1:
       raise ValueError(
           f"Model {model.name!r} is not a chain of {num_stages} blocks: it "
-          f"has {len(cuts)} places where a single tensor joins the layers "
-          f"before to the layers after, and {num_stages} stages need "
-          f"{num_stages - 1}.")
+          f"has {len(cuts)} places where a single tensor (with model inputs "
+          f"such as a padding mask) joins the layers before to the layers "
+          f"after, and {num_stages} stages need {num_stages - 1}.")
     costs = [_layer_cost(l, n) for l, n in zip(layers, nodes)]
-    starts = _balanced_cuts(costs, cuts, num_stages)
+    # Elements moved, in float32 units: comparable with the costs.
+    transfer = {i: cuts_lib.crossing_bytes(c) / 4 for i, c in cuts.items()}
+    starts = cuts_lib.balanced_cuts(costs, cuts, num_stages, transfer)
   else:
     starts = _named_cuts(model, layers, cuts, stages, num_stages)
   return _build_plan(model, graph, nodes, layers, cuts, starts)
@@ -243,7 +206,9 @@ def _named_cuts(model, layers, cuts, names, num_stages):
         f"stages must name the first layer of each stage after the first: "
         f"{num_stages - 1} names for {num_stages} stages. Received: "
         f"stages={names!r}")
-  index = {l.name: i for i, l in enumerate(layers)}
+  index = {}
+  for i, layer in enumerate(layers):
+    index.setdefault(layer.name, i)  # A shared layer: its first call.
   starts = []
   for name in names:
     if name not in index:
@@ -254,8 +219,8 @@ def _named_cuts(model, layers, cuts, names, num_stages):
       valid = ", ".join(layers[i].name for i in sorted(cuts)) or "none"
       raise ValueError(
           f"Model {model.name!r} cannot be cut before layer {name!r}: more "
-          f"than one tensor crosses there (a skip connection or a branch). "
-          f"Layers a stage can start at: {valid}.")
+          f"than one tensor of activations crosses there (a skip connection "
+          f"or a branch). Layers a stage can start at: {valid}.")
     starts.append(index[name])
   if starts != sorted(set(starts)):
     raise ValueError(f"stages must name distinct layers in model order. "
@@ -263,16 +228,44 @@ def _named_cuts(model, layers, cuts, names, num_stages):
   return starts
 
 
+def _unique(items):
+  seen, found = set(), []
+  for item in items:
+    if id(item) not in seen:
+      seen.add(id(item))
+      found.append(item)
+  return tuple(found)
+
+
+def _passed_through(inputs, outputs, name):
+  """`outputs`, with an Identity on those that are also `inputs`: Keras
+  clones a sub-model's inputs when some are not `keras.Input`s (they are
+  another stage's outputs), and an output that is an input would then be
+  disconnected from the clones."""
+  ids = {id(t) for t in inputs}
+  return [keras.layers.Identity(name=f"{name}_passes_{i}")(t)
+          if id(t) in ids else t for i, t in enumerate(outputs)]
+
+
 def _build_plan(model, graph, nodes, layers, cuts, starts):
   bounds = [0] + list(starts) + [len(nodes)]
-  boundary = [graph.input] + [cuts[i] for i in starts] + [graph.output]
+  boundary = ([graph.input] + [list(cuts[i]) for i in starts] +
+              [graph.output])
+  owner = {}
   stages = []
   for s in range(len(bounds) - 1):
-    stage_layers = tuple(layers[bounds[s]:bounds[s + 1]])
-    cost = sum(_layer_cost(l, n) for l, n in
-               zip(stage_layers, nodes[bounds[s]:bounds[s + 1]]))
-    params = sum(_num_params(l) for l in stage_layers)
-    sub_model = keras.Model(boundary[s], boundary[s + 1],
+    stage_nodes = nodes[bounds[s]:bounds[s + 1]]
+    stage_layers = _unique(layers[bounds[s]:bounds[s + 1]])
+    shared = tuple(l for l in stage_layers if id(l) in owner)
+    owner.update((id(l), s) for l in stage_layers if id(l) not in owner)
+    cost = sum(_layer_cost(n.operation, n) for n in stage_nodes)
+    params = sum(_num_params(l) for l in stage_layers
+                 if owner[id(l)] == s)
+    outputs = boundary[s + 1]
+    if s and s < len(bounds) - 2:
+      outputs = _passed_through(boundary[s], outputs, f"{model.name}_stage{s}")
+    sub_model = keras.Model(boundary[s], outputs,
                             name=f"{model.name}_stage{s}")
-    stages.append(Stage(s, stage_layers, float(cost), params, sub_model))
+    stages.append(Stage(s, stage_layers, float(cost), params, sub_model,
+                        shared))
   return StagePlan(model, stages)

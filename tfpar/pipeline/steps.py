@@ -143,8 +143,8 @@ class PipelinedSteps:
     # LossScaleOptimizer's current dynamic scale, a base optimizer's
     # constant `loss_scale_factor`, or 1. The optimizer unscales the
     # gradients (and skips a step whose gradients overflowed).
-    scale = (model.optimizer.scale_loss(tf.constant(1.0))
-             if model.optimizer else tf.constant(1.0))
+    scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0))
+                    if model.optimizer else 1.0, keras.backend.floatx())
     outputs, loss, gradients = self._runner().train(
         xs, self._loss_fn(ys, sws, weights, scale),
         self._extra_loss_fn(weights, scale))
