@@ -31,6 +31,7 @@ from tfpar import optimizer_hooks
 from tfpar.engine import bfloat16_gather
 from tfpar.engine import grouping
 from tfpar.engine import merge_free
+from tfpar.engine import spread
 
 # Each strategy instance needs its own collective keys (two instances that
 # share a key base fail with "Shape mismatch in the collective instance").
@@ -145,7 +146,35 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     if index is not None and kwargs.get("colocate_with") is None:
       kwargs["colocate_with"] = DeviceSet(
           group[index] for group in self._local_groups)
+    elif self.spreads_weights and spread.should_spread(kwargs):
+      return self._create_spread_variable(kwargs)
     return super()._create_variable(next_creator, **kwargs)
+
+  # Strategies that split weights create them spread (`engine/spread.py`)
+  # and lay them out when the model is prepared.
+  spreads_weights = False
+
+  def spread_parts(self, pieces, name):
+    """The slice variables of a spread weight, from its flat pieces
+    (subclasses that spread weights define where they go)."""
+    raise NotImplementedError
+
+  def spread_count(self):
+    """How many devices of a replica (or replicas) share a spread
+    weight."""
+    raise NotImplementedError
+
+  def _create_spread_variable(self, kwargs):
+    value = spread.initial_tensor(kwargs, self._local_groups[0][0])
+    name = kwargs.get("name") or "Variable"
+    pieces = spread.flat_pieces(value, self.spread_count())
+    parts = self.spread_parts(pieces, name)
+    creation = {k: kwargs[k] for k in (
+        "dtype", "trainable", "name", "aggregation", "synchronization")
+                if kwargs.get(k) is not None}
+    creation["dtype"] = value.dtype
+    return spread.SpreadVariable(value.shape, value.dtype, name, parts,
+                                 creation)
 
   @property
   def worker_devices_by_replica(self):

@@ -139,10 +139,18 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
       shards.append(shard)
     weight = ShardedWeight(variable_layout, shards)
     _replace(owner, variable, weight)
+    _release_spread(variable)
     logical[variable.path] = weight
   for owner in {owners[path][0] for path in logical}:
     _install_logical_saving(owner)
   return logical
+
+
+def _release_spread(variable):
+  """Frees the creation-time slices of a weight now held as shards."""
+  storage = getattr(variable, "_value", None)
+  if hasattr(storage, "release"):
+    storage.release()
 
 
 def _replace(owner, variable, weight):

@@ -16,6 +16,7 @@ from keras.src.backend.common import variables as keras_variables
 import numpy as np
 import tensorflow as tf
 
+from tfpar.engine import spread
 from tfpar.zero import collectives
 from tfpar.zero import sparse_gradients
 from tfpar.zero import slices
@@ -141,7 +142,10 @@ def shard(model, state):
                               trainable=True)
       state.add_entry(weight, piece)
       weight._tfpar_zero_column = state.column(weight)  # pylint: disable=protected-access
+      created = weight._value  # pylint: disable=protected-access
       weight._value = piece._value  # pylint: disable=protected-access
+      if isinstance(created, spread.SpreadVariable):
+        created.release()  # Its creation-time slices.
       weight.__class__ = _gathered_class(type(weight))
 
 

@@ -1,0 +1,125 @@
+"""Models bigger than one device: weights are created where they live.
+
+A GPT of stock Keras layers, seeded initializers, is built and trained
+under tensor 4 and under ZeRO-3 over data 4 (the strategy's `zero` option)
+while every TensorFlow variable is counted per device, independently of
+tfpar (`variable_accounting`), from the first variable created to the end of
+training. No device may exceed the per-device budget, and none may exceed
+its final share plus one whole weight; the initial values are exactly one
+device's draws with the same seed, and training equals one device.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpar
+import tp_common
+from variable_accounting import VariableAccounting
+
+WIDTH, VOCAB, BLOCKS = 32, 64, 4
+STEPS = 3
+# Bytes per device. Each device's final share is at least 1/4 of the
+# weights on 4 devices, so the weights can be at most ~4x any budget.
+BUDGET = {"tensor4": 70_000, "zero3_data4": 60_000}
+
+
+def gpt(seed=7):
+  """tp_common's GPT shape with Keras's own seeded initializers."""
+  keras.utils.set_random_seed(seed)
+  tokens = keras.Input((tp_common.SEQUENCE,), dtype="int32")
+  x = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")(tokens)
+  positions = keras.ops.zeros_like(tokens) + keras.ops.arange(
+      tp_common.SEQUENCE)
+  x = x + keras.layers.Embedding(tp_common.SEQUENCE, WIDTH,
+                                 name="positions")(positions)
+  for b in range(BLOCKS):
+    h = keras.layers.LayerNormalization(name=f"block{b}_ln1")(x)
+    x = x + keras.layers.MultiHeadAttention(
+        4, WIDTH // 4, name=f"block{b}_attention")(h, h, use_causal_mask=True)
+    h = keras.layers.LayerNormalization(name=f"block{b}_ln2")(x)
+    h = keras.layers.Dense(4 * WIDTH, activation="gelu",
+                           name=f"block{b}_mlp_in")(h)
+    x = x + keras.layers.Dense(WIDTH, name=f"block{b}_mlp_out")(h)
+  x = keras.layers.LayerNormalization(name="final_ln")(x)
+  model = keras.Model(tokens, keras.layers.Dense(VOCAB, name="lm_head")(x),
+                      name="gpt")
+  model.compile(optimizer=keras.optimizers.SGD(0.5),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  return model
+
+
+def _train(model):
+  x, y = tp_common.data("gpt", count=tp_common.BATCH * STEPS)
+  return tp_common.step_losses(model, x, y, epochs=1)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  model = gpt()
+  initial = model.get_weights()
+  losses = _train(model)
+  return initial, losses, model.get_weights()
+
+
+def _strategy(layout):
+  if layout == "tensor4":
+    return tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 1, "tensor": 4}))
+  return tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}),
+                                    zero=tfpar.ZeRO(stage=3))
+
+
+@pytest.fixture(scope="module", params=["tensor4", "zero3_data4"])
+def run(request):
+  accounting = VariableAccounting()
+  with accounting.counting():
+    strategy = _strategy(request.param)
+    with strategy.scope():
+      model = gpt()
+    built = accounting.now()
+    initial = model.get_weights()
+    losses = _train(model)
+    final = accounting.now()
+  return request.param, accounting, built, final, model, initial, losses
+
+
+def test_no_device_exceeds_its_budget(run, one_device):
+  layout, accounting, _, final, _, _, _ = run
+  weight_bytes = sum(w.nbytes for w in one_device[0])
+  budget = BUDGET[layout]
+  assert sorted(accounting.peak) == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+  assert max(accounting.peak.values()) <= budget, dict(accounting.peak)
+  # The model is far larger than what any device may hold.
+  assert weight_bytes >= 3.0 * budget, (weight_bytes, budget)
+  # Final share plus one whole weight in transit, on every device.
+  largest = max(w.nbytes for w in one_device[0])
+  for device, peak in accounting.peak.items():
+    assert peak <= final[device] + largest, (device, peak, final[device])
+
+
+def test_only_slices_exist_while_building(run, one_device):
+  """Right after the scope: no device holds more than the layout needs
+  (tensor: 1/4 of split weights plus the replicated ones on the head)."""
+  _, _, built, final, _, _, _ = run
+  for device, held in built.items():
+    assert held <= final[device], (device, held, final[device])
+
+
+def test_initial_values_are_one_devices_draws(run, one_device):
+  initial = run[5]
+  assert len(initial) == len(one_device[0])
+  for got, want in zip(initial, one_device[0]):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_trains_like_one_device(run, one_device):
+  _, _, _, _, model, _, losses = run
+  np.testing.assert_allclose(losses, one_device[1], atol=1e-5)
+  for got, want in zip(model.get_weights(), one_device[2]):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_zero_option_refuses_a_non_zero_value():
+  with pytest.raises(ValueError, match="zero must be None or a tfpar.ZeRO"):
+    tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}), zero=3)
