@@ -154,15 +154,19 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
   # and lay them out when the model is prepared.
   spreads_weights = False
 
-  def spread_parts(self, pieces, name):
-    """The slice variables of a spread weight, from its flat pieces
-    (subclasses that spread weights define where they go)."""
-    raise NotImplementedError
-
   def spread_count(self):
-    """How many devices of a replica (or replicas) share a spread
-    weight."""
-    raise NotImplementedError
+    """How many slices a spread weight has: one per device of a replica."""
+    return self._mesh.replica_size
+
+  def spread_parts(self, pieces, name):
+    """The slice variables of a spread weight: piece k on the k-th device
+    of every replica (mirrored over the data axis)."""
+    parts = []
+    for index, piece in enumerate(pieces):
+      with self.variables_on_column(index):
+        parts.append(tf.Variable(piece, trainable=False,
+                                 name=f"{name}_spread{index}"))
+    return parts
 
   def _create_spread_variable(self, kwargs):
     value = spread.initial_tensor(kwargs, self._local_groups[0][0])

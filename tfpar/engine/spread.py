@@ -110,6 +110,10 @@ class SpreadVariable:
   dtype = property(lambda self: self._dtype)
   name = property(lambda self: self._name)
   trainable = property(lambda self: self.creation.get("trainable", True))
+  synchronization = property(lambda self: self.creation.get(
+      "synchronization", tf.VariableSynchronization.AUTO))
+  aggregation = property(lambda self: self.creation.get(
+      "aggregation", tf.VariableAggregation.NONE))
 
   @property
   def parts(self):
@@ -159,6 +163,36 @@ class SpreadVariable:
             f"slices={len(self._parts)}>")
 
 
+def interleaved(groups, size_of):
+  """(key, item) pairs from `groups` ({key: [items]}), taking next from the
+  group with the smallest fraction of its bytes (`size_of(item)`) taken.
+
+  Weights created spread over every group's devices (pipeline stages) then
+  leave each device about as fast as its own arrive, so no device holds
+  its final share and much of the others' slices at once.
+
+  Example:
+
+  >>> [k for k, _ in interleaved({"a": [1, 1], "b": [2]}, lambda x: x)]
+  ['a', 'b', 'a']
+  """
+  queues = {key: list(items) for key, items in groups.items()}
+  totals = {key: max(1, sum(map(size_of, items)))
+            for key, items in queues.items()}
+  taken = dict.fromkeys(queues, 0)
+  while any(queues.values()):
+    key = min((k for k, items in queues.items() if items),
+              key=lambda k: taken[k] / totals[k])
+    item = queues[key].pop(0)
+    taken[key] += size_of(item)
+    yield key, item
+
+
+def nbytes(variable):
+  """Bytes of a variable's whole value."""
+  return variable.shape.num_elements() * tf.as_dtype(variable.dtype).size
+
+
 def is_spread(variable):
   """Whether a Keras variable's storage is still a `SpreadVariable`."""
   return isinstance(getattr(variable, "_value", None), SpreadVariable)
@@ -196,9 +230,9 @@ def materialize(variable, strategy):
   _check_keras_storage(variable)
   spread = variable._value  # pylint: disable=protected-access
   whole = spread.read_value()
+  spread.release()
   with strategy.scope(), creating_in_place():
     kwargs = dict(spread.creation)
     kwargs["initial_value"] = whole
     replacement = tf.Variable(**kwargs)
   variable._value = replacement  # pylint: disable=protected-access
-  spread.release()

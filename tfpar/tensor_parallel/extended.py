@@ -56,17 +56,6 @@ class TensorParallelExtended(engine_extended.MeshExtended):
   # resolved on the built model.
   spreads_weights = True
 
-  def spread_count(self):
-    return self.tensor_size
-
-  def spread_parts(self, pieces, name):
-    parts = []
-    for index, piece in enumerate(pieces):
-      with self.variables_on_column(index):
-        parts.append(tf.Variable(piece, trainable=False,
-                                 name=f"{name}_spread{index}"))
-    return parts
-
   # Model registry and sharding.
 
   preparation = "shard it, so its weights would stay replicated"

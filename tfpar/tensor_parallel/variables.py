@@ -129,6 +129,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
       continue
     pieces = tf.split(tf.convert_to_tensor(variable.value), tensor_size,
                       variable_layout.axis)
+    _release_spread(variable)  # Its creation-time slices, once read.
     shards = []
     for index, piece in enumerate(pieces):
       with shard_scope(index):
@@ -139,7 +140,6 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
       shards.append(shard)
     weight = ShardedWeight(variable_layout, shards)
     _replace(owner, variable, weight)
-    _release_spread(variable)
     logical[variable.path] = weight
   for owner in {owners[path][0] for path in logical}:
     _install_logical_saving(owner)
