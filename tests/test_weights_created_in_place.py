@@ -65,7 +65,7 @@ def one_device():
   model = gpt()
   initial = model.get_weights()
   losses = _train(model)
-  return initial, losses, model.get_weights()
+  return initial, losses, model.get_weights(), model
 
 
 def _strategy(layout):
@@ -116,6 +116,22 @@ def test_peak_is_final_share_plus_a_weight_in_transit(run, one_device):
     else:
       bound = final[device] + largest
     assert peak <= bound, (device, peak, final[device])
+
+
+# The planner's name of each layout.
+PLANNED = {"tensor4": "DP1 x TP4", "zero3_data4": "DP4 + ZeRO-3",
+           "pipeline4": "DP1 x PP4", "pipeline2_tensor2": "DP1 x TP2 x PP2"}
+
+
+def test_the_planner_knows_the_build_peak(run, one_device):
+  """`tfpar plan`'s build peak covers the measured one, within 25%."""
+  layout, accounting, _, _, _, _, _ = run
+  result = tfpar.plan(one_device[3], 4, "1GB", batch_size=tp_common.BATCH)
+  candidate = next(c for c in result.candidates
+                   if c.name == PLANNED[layout])
+  measured = max(accounting.peak.values())
+  assert measured <= candidate.build_peak <= 1.25 * measured, (
+      candidate.build_peak, measured)
 
 
 def test_built_model_holds_its_final_layout(run, one_device):
