@@ -168,6 +168,13 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
                                  name=f"{name}_spread{index}"))
     return parts
 
+  def _validate_colocate_with_variable(self, colocate_with_variable):
+    # An optimizer built before the model is prepared (load_model) puts its
+    # slots beside spread weights: on the replica heads, until prepared.
+    if isinstance(colocate_with_variable, spread.SpreadVariable):
+      return
+    super()._validate_colocate_with_variable(colocate_with_variable)
+
   def _create_spread_variable(self, kwargs):
     value = spread.initial_tensor(kwargs, self._local_groups[0][0])
     name = kwargs.get("name") or "Variable"
@@ -177,8 +184,9 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
         "dtype", "trainable", "name", "aggregation", "synchronization")
                 if kwargs.get(k) is not None}
     creation["dtype"] = value.dtype
-    return spread.SpreadVariable(value.shape, value.dtype, name, parts,
-                                 creation)
+    return spread.SpreadVariable(
+        value.shape, value.dtype, name, parts, creation,
+        self._container_strategy(), (g[0] for g in self._local_groups))
 
   @property
   def worker_devices_by_replica(self):

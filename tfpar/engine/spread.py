@@ -16,12 +16,14 @@ whole weight, so the model builds and can be traced before it is prepared.
 """
 
 import contextlib
+import itertools
 import threading
 
 import numpy as np
 import tensorflow as tf
 
 _disabled = threading.local()
+_ids = itertools.count()
 
 
 @contextlib.contextmanager
@@ -87,6 +89,10 @@ class SpreadVariable:
       or one per device).
     creation: the keyword arguments of the `tf.Variable` call it stands
       for, without the initial value (to create it in its final place).
+    strategy: the strategy that created it, if any: variables created
+      `colocate_vars_with` it (an optimizer built before the model was
+      prepared, as `keras.models.load_model` does) go on `heads`.
+    heads: the devices of those variables, one per local replica.
 
   Example:
 
@@ -99,12 +105,17 @@ class SpreadVariable:
   [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
   """
 
-  def __init__(self, shape, dtype, name, parts, creation):
+  def __init__(self, shape, dtype, name, parts, creation, strategy=None,
+               heads=()):
     self._shape = tf.TensorShape(shape)
     self._dtype = tf.as_dtype(dtype)
     self._name = name
     self._parts = list(parts)
     self.creation = dict(creation)
+    # What TF's colocate_vars_with and Keras's optimizer (`_var_key`) read.
+    self._distribute_strategy = strategy
+    self._devices = tuple(heads)
+    self._unique_id = f"tfpar_spread_{next(_ids)}"
 
   shape = property(lambda self: self._shape)
   dtype = property(lambda self: self._dtype)
