@@ -124,13 +124,16 @@ PLANNED = {"tensor4": "DP1 x TP4", "zero3_data4": "DP4 + ZeRO-3",
 
 
 def test_the_planner_knows_the_build_peak(run, one_device):
-  """`tfpar plan`'s build peak covers the measured one, within 25%."""
+  """`tfpar plan`'s build peak covers the measured one; it also counts the
+  whole weights in transit (tensors, which variables do not show): at most
+  two more."""
   layout, accounting, _, _, _, _, _ = run
   result = tfpar.plan(one_device[3], 4, "1GB", batch_size=tp_common.BATCH)
   candidate = next(c for c in result.candidates
                    if c.name == PLANNED[layout])
   measured = max(accounting.peak.values())
-  assert measured <= candidate.build_peak <= 1.25 * measured, (
+  largest = max(w.nbytes for w in one_device[0])
+  assert measured <= candidate.build_peak <= measured + 2 * largest, (
       candidate.build_peak, measured)
 
 
