@@ -6,6 +6,8 @@ from typing import Dict
 
 from tensorflow.python.distribute import values as values_lib
 
+from tfpar.engine import spread
+
 
 def components(variable):
   """The per-device tf.Variables behind a Keras (or tf) variable.
@@ -23,6 +25,8 @@ def components(variable):
   value = getattr(variable, "_value", variable)
   if isinstance(value, values_lib.DistributedValues):
     return value.values
+  if isinstance(value, spread.SpreadVariable):  # Not laid out yet.
+    return value.components()
   return (value,)
 
 

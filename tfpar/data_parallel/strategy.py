@@ -1,5 +1,6 @@
 """`tfpar.DataParallelStrategy`."""
 
+from tfpar.data_parallel import extended as extended_lib
 from tfpar.engine import strategy as engine_strategy
 
 
@@ -16,9 +17,17 @@ class DataParallelStrategy(engine_strategy.MeshStrategy):
       Default: every device of the cluster (`TF_CONFIG`) or of this host.
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
+    zero: None, or a `tfpar.ZeRO` the strategy applies to every model
+      created in its scope (no need to pass it to `fit`). With
+      `tfpar.ZeRO(stage=3)` each trainable weight is created as 1/N slices,
+      one per replica, so no device ever holds the whole model: a replica
+      holds 1/N of the weights plus one whole weight in transit, from the
+      first weight created. One host only (across workers, pass
+      `tfpar.ZeRO(stage=3)` to `fit`).
 
   Raises:
-    ValueError: the mesh has `pipeline` or `tensor` larger than 1.
+    ValueError: the mesh has `pipeline` or `tensor` larger than 1, `zero`
+      is not a `tfpar.ZeRO`, or stage 3 at creation across workers.
 
   Example:
 
@@ -30,6 +39,25 @@ class DataParallelStrategy(engine_strategy.MeshStrategy):
   >>> model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8, verbose=0)
   <keras.src.callbacks.history.History object at ...>
   """
+
+  def __init__(self, mesh=None, communication_options=None, zero=None):
+    if zero is not None and not hasattr(zero, "prepare_weights"):
+      raise ValueError(
+          f"DataParallelStrategy: zero must be None or a tfpar.ZeRO "
+          f"callback, e.g. zero=tfpar.ZeRO(stage=3). Received: zero={zero!r}")
+    self._zero = zero
+    super().__init__(mesh, communication_options)
+
+  def _make_extended(self, mesh, communication_options):
+    if (self._zero is not None and self._zero.stage == 3 and
+        mesh.is_multi_worker):
+      raise ValueError(
+          "DataParallelStrategy(zero=tfpar.ZeRO(stage=3)) creates weights "
+          f"sliced on one host only; this mesh spans "
+          f"{mesh.cluster.num_tasks} workers. Pass tfpar.ZeRO(stage=3) to "
+          f"fit instead.")
+    return extended_lib.DataParallelExtended(
+        self, mesh, communication_options, zero=self._zero)
 
   def _check_mesh(self, mesh):
     for axis in ("pipeline", "tensor"):

@@ -33,6 +33,7 @@ from tfpar import watchdog
 from tfpar.engine import bfloat16_gather
 from tfpar.engine import grouping
 from tfpar.engine import merge_free
+from tfpar.engine import spread
 
 # Each strategy instance needs its own collective keys (two instances that
 # share a key base fail with "Shape mismatch in the collective instance").
@@ -159,10 +160,50 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     if index is not None and kwargs.get("colocate_with") is None:
       kwargs["colocate_with"] = DeviceSet(
           group[index] for group in self._local_groups)
+    elif self.spreads_weights and spread.should_spread(kwargs):
+      return self._create_spread_variable(kwargs)
     # Across workers the chief broadcasts every initial value.
     with watchdog.watching(self._container_strategy(),
                            f"the creation of variable {kwargs.get('name')!r}"):
       return super()._create_variable(next_creator, **kwargs)
+
+  # Strategies that split weights create them spread (`engine/spread.py`)
+  # and lay them out when the model is prepared.
+  spreads_weights = False
+
+  def spread_count(self):
+    """How many slices a spread weight has: one per device of a replica."""
+    return self._mesh.replica_size
+
+  def spread_parts(self, pieces, name):
+    """The slice variables of a spread weight: piece k on the k-th device
+    of every replica (mirrored over the data axis)."""
+    parts = []
+    for index, piece in enumerate(pieces):
+      with self.variables_on_column(index):
+        parts.append(tf.Variable(piece, trainable=False,
+                                 name=f"{name}_spread{index}"))
+    return parts
+
+  def _validate_colocate_with_variable(self, colocate_with_variable):
+    # An optimizer built before the model is prepared (load_model) puts its
+    # slots beside spread weights: on the replica heads, until prepared.
+    if isinstance(colocate_with_variable, spread.SpreadVariable):
+      return
+    super()._validate_colocate_with_variable(colocate_with_variable)
+
+  def _create_spread_variable(self, kwargs):
+    value = spread.initial_tensor(kwargs, self._local_groups[0][0])
+    name = kwargs.get("name") or "Variable"
+    pieces = spread.flat_pieces(value, self.spread_count())
+    parts = self.spread_parts(pieces, name)
+    creation = {k: kwargs[k] for k in (
+        "dtype", "trainable", "name", "aggregation", "synchronization")
+                if kwargs.get(k) is not None}
+    creation["dtype"] = value.dtype
+    return spread.SpreadVariable(
+        value.shape, value.dtype, name, parts, creation,
+        self._container_strategy(), (g[0] for g in self._local_groups))
 
   @property
   def worker_devices_by_replica(self):

@@ -12,10 +12,12 @@ among the s-th devices of the replicas.
 """
 
 import keras
+import numpy as np
 
 from tfpar import batches
 from tfpar import keras_hooks
 from tfpar.engine import extended as engine_extended
+from tfpar.engine import spread
 from tfpar.pipeline import executor
 from tfpar.pipeline import placement
 from tfpar.pipeline import stages as stages_lib
@@ -59,6 +61,10 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
   def tensor_size(self):
     return self._mesh.shape["tensor"]
 
+  # Weights are created spread over a replica's devices (`engine/spread`)
+  # and move to their stage's devices when the model is cut.
+  spreads_weights = True
+
   def register_model(self, model):
     if not self._cutting:  # Not the stages' own sub-models.
       super().register_model(model)
@@ -90,10 +96,15 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     layer_layouts = (self.plan.resolve(model, self.tensor_size)
                      if self.tensor_size > 1 else None)
     plan = self.stage_plan(model)
+    split = {v.path for layout in layer_layouts or () for v in
+             layout.variables if v.axis is not None}
     placement.place_stage_variables(self._container_strategy(), plan,
-                                    self._local_groups, self.tensor_size)
+                                    self._local_groups, self.tensor_size,
+                                    skip=split)
     if layer_layouts is not None:
       self._shard_stages(model, plan, layer_layouts)
+    for variable in spread.pending_weights(model):  # In no stage.
+      spread.materialize(variable, self._container_strategy())
     object.__setattr__(model, "_tfpar_stage_plan", plan)
     pipelined = steps_lib.PipelinedSteps(
         model, lambda: self.runner(plan), self.num_microbatches)
@@ -109,11 +120,16 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
         if isinstance(layer, keras.layers.Layer) and id(layer) not in shared:
           for sub in layer._flatten_layers(include_self=True):  # pylint: disable=protected-access
             stage_of[id(sub)] = stage.index
-    for stage in plan.stages:
+    by_stage = {stage.index: [l for l in layer_layouts
+                              if stage_of.get(id(l.layer)) == stage.index]
+                for stage in plan.stages}
+    # Interleaved over the stages: split weights created spread over every
+    # device leave each about as fast as its shards arrive (engine/spread).
+    layout_bytes = lambda l: sum(np.prod(v.shape) for v in l.variables)
+    for index, layout in spread.interleaved(by_stage, layout_bytes):
       tensor_parallel_extended.shard_layers(
-          self, [l for l in layer_layouts
-                 if stage_of.get(id(l.layer)) == stage.index],
-          self.tensor_size, first_column=stage.index * self.tensor_size)
+          self, [layout], self.tensor_size,
+          first_column=index * self.tensor_size)
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     whole_weights.install(model)
     if getattr(model, "optimizer", None) is not None:

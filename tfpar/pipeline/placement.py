@@ -2,8 +2,11 @@
 
 import tensorflow as tf
 
+from tfpar.engine import spread
 
-def place_stage_variables(strategy, plan, groups, columns_per_stage=1):
+
+def place_stage_variables(strategy, plan, groups, columns_per_stage=1,
+                          skip=()):
   """Re-creates every variable of stage `s` on its head device (device
   `s x columns_per_stage`) of each replica.
 
@@ -16,24 +19,31 @@ def place_stage_variables(strategy, plan, groups, columns_per_stage=1):
     plan: the model's `StagePlan`.
     groups: the device group of every local replica.
     columns_per_stage: devices per stage in a replica (the tensor size).
+    skip: paths of variables not to move (split over the tensor axis
+      next, from where they were created).
   """
-  for stage in plan.stages:
-    column = stage.index * columns_per_stage
+  # Interleaved over the stages: weights created spread over every device
+  # leave each about as fast as its own arrive (engine/spread.py).
+  moving = {stage.index: [v for v in stage.variables if v.path not in skip]
+            for stage in plan.stages}
+  for index, variable in spread.interleaved(moving, spread.nbytes):
+    column = index * columns_per_stage
     devices = tuple(group[column] for group in groups)
     specs = tuple(tf.DeviceSpec.from_string(d) for d in devices)
-    for variable in stage.variables:
-      current = variable._value  # pylint: disable=protected-access
-      if _devices_of(current) == specs:
-        continue
-      value = tf.convert_to_tensor(current)
-      with strategy.scope(), strategy.extended.variables_on_column(
-          column):
-        placed = tf.Variable(
-            initial_value=value, trainable=current.trainable,
-            name=current.name.split(":")[0],
-            synchronization=current.synchronization,
-            aggregation=current.aggregation)
-      variable._value = placed  # pylint: disable=protected-access
+    current = variable._value  # pylint: disable=protected-access
+    if _devices_of(current) == specs:
+      continue
+    value = tf.convert_to_tensor(current)
+    if hasattr(current, "release"):  # Its creation-time slices.
+      current.release()
+    with strategy.scope(), strategy.extended.variables_on_column(
+        column):
+      placed = tf.Variable(
+          initial_value=value, trainable=current.trainable,
+          name=current.name.split(":")[0],
+          synchronization=current.synchronization,
+          aggregation=current.aggregation)
+    variable._value = placed  # pylint: disable=protected-access
 
 
 def _devices_of(distributed_variable):

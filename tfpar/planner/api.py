@@ -3,6 +3,7 @@
 import dataclasses
 import numbers
 
+from tfpar.planner import build_peak
 from tfpar.planner import candidates as candidates_lib
 from tfpar.planner import formulas
 from tfpar.planner import profile as profile_lib
@@ -103,7 +104,7 @@ def plan(model, devices, memory_per_device, batch_size=None,
                          f"TP{layout.tensor} x PP{layout.pipeline}: {error}")
       continue
     found.append(_candidate(layout, loads, profile, limit, batch, precision,
-                            slots, steps))
+                            slots, steps, node_size))
   if not found:
     raise ValueError(
         f"No layout of {devices} devices applies to {profile.name!r}: "
@@ -179,11 +180,15 @@ def _profile(model, sharding_plan):
 
 
 def _candidate(layout, loads, profile, limit, batch, precision, slots,
-               steps):
+               steps, node_size):
   best = _fullest(layout, loads, profile, batch, precision, slots, steps)
   runs, why = candidates_lib.supported(layout)
-  return result_lib.Candidate(layout, best, best.total <= limit, runs, why,
-                              candidates_lib.rank(layout))
+  # A layout fits only if the model can also be built in it.
+  build = build_peak.build_peak_bytes(layout, loads, profile, precision,
+                                      node_size)
+  return result_lib.Candidate(layout, best, best.total <= limit and
+                              build <= limit, runs, why,
+                              candidates_lib.rank(layout), build)
 
 
 def _fullest(layout, loads, profile, batch, precision, slots, steps=None):

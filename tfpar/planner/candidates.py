@@ -143,6 +143,10 @@ def how_to_run(layout):
             f"num_microbatches={layout.microbatches}{extra})")
   elif layout.tensor > 1:
     code = f"strategy = tfpar.TensorParallelStrategy({mesh})"
+  elif layout.zero == 3:  # Weights created sliced (one node; build_peak).
+    offload = ', offload="cpu"' if layout.offload else ""
+    return (f"strategy = tfpar.DataParallelStrategy({mesh}, "
+            f"zero=tfpar.ZeRO(stage=3{offload}))")
   else:
     code = f"strategy = tfpar.DataParallelStrategy({mesh})"
   if layout.zero:

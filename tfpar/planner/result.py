@@ -14,10 +14,13 @@ class Candidate:
   Attributes:
     layout: the `tfpar.planner.Layout`.
     memory: its `MemoryEstimate`.
-    fits: whether `memory.total` is at most the memory per device.
+    fits: whether `memory.total`, and `build_peak`, are at most the memory
+      per device.
     supported: whether tfpar can run the layout today.
     unsupported_reason: why not, when it cannot.
     rank: its expected speed order key (lower is faster).
+    build_peak: bytes of weights on the fullest device while the model is
+      built, before its first step (`build_peak.py`).
   """
   layout: formulas.Layout
   memory: formulas.MemoryEstimate
@@ -25,6 +28,7 @@ class Candidate:
   supported: bool = True
   unsupported_reason: str = ""
   rank: tuple = ()
+  build_peak: int = 0
 
   @property
   def name(self):
@@ -116,13 +120,13 @@ class PlanResult:
     >>> import tfpar.planner
     >>> print(tfpar.planner.plan(7.5e9, 64, "32GB", precision="mixed")
     ...       .table().splitlines()[2])  # doctest: +NORMALIZE_WHITESPACE
-    DP64  15 GB  15 GB  90 GB  -  120 GB  0  no  runs
+    DP64  15 GB  15 GB  90 GB  -  120 GB  0  15 GB  no  runs
     """
     rows = self.shown(all_candidates)
     with_host = any(c.memory.host for c in rows)
     with_accumulators = any(c.memory.accumulators for c in rows)
     header = ["layout", "parameters", "gradients", "optimizer",
-              "activations", "total", "fits", "tfpar"]
+              "activations", "total", "build", "fits", "tfpar"]
     if with_host:
       header.insert(6, "host")
     if with_accumulators:
@@ -138,6 +142,7 @@ class PlanResult:
           (units.format_bytes(memory.activations) if self.has_activations
            else "-"),
           units.format_bytes(memory.total),
+          units.format_bytes(candidate.build_peak),
           "yes" if candidate.fits else "no",
           "runs" if candidate.supported else "not yet"]
       if with_host:

@@ -16,6 +16,7 @@ build), when a dataset is distributed and when a step runs.
 import tensorflow as tf
 
 from tfpar.engine import extended as engine_extended
+from tfpar.engine import spread
 from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import optimizer as optimizer_lib
 from tfpar.tensor_parallel import plan as plan_lib
@@ -50,6 +51,11 @@ class TensorParallelExtended(engine_extended.MeshExtended):
   def tensor_size(self):
     return self._mesh.shape["tensor"]
 
+  # Weights are created spread over the tensor group (1/tensor of each on
+  # every device of a replica) and laid out one at a time once the plan is
+  # resolved on the built model.
+  spreads_weights = True
+
   # Model registry and sharding.
 
   preparation = "shard it, so its weights would stay replicated"
@@ -78,8 +84,17 @@ class TensorParallelExtended(engine_extended.MeshExtended):
       return
     layer_layouts = plan_lib.as_plan(self._plan).resolve(
         model, self.tensor_size)
+    # Replicated weights first: until then every device holds 1/tensor of
+    # them, more than its final share (none, off the head).
+    split = {v.path for layout in layer_layouts for v in layout.variables
+             if v.axis is not None}
+    for variable in spread.pending_weights(model):
+      if variable.path not in split:
+        spread.materialize(variable, self._container_strategy())
     shard_layers(self, layer_layouts, self.tensor_size,
                  sequence_parallel=self._sequence_parallel)
+    for variable in spread.pending_weights(model):  # None should be left.
+      spread.materialize(variable, self._container_strategy())
     if self._sequence_parallel:
       sequence_lib.install(model, self.current_group)
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)

@@ -129,6 +129,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
       continue
     pieces = tf.split(tf.convert_to_tensor(variable.value), tensor_size,
                       variable_layout.axis)
+    _release_spread(variable)  # Its creation-time slices, once read.
     shards = []
     for index, piece in enumerate(pieces):
       with shard_scope(index):
@@ -143,6 +144,13 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
   for owner in {owners[path][0] for path in logical}:
     _install_logical_saving(owner)
   return logical
+
+
+def _release_spread(variable):
+  """Frees the creation-time slices of a weight now held as shards."""
+  storage = getattr(variable, "_value", None)
+  if hasattr(storage, "release"):
+    storage.release()
 
 
 def _replace(owner, variable, weight):

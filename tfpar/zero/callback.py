@@ -124,9 +124,20 @@ class ZeRO(keras.callbacks.Callback):
     # optimizer it wraps is sharded.
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     sharded_optimizer.check_shardable(inner, strategy)
-    state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
-                                        self.bucket_bytes)
-    if self.stage == 3:
+    state = getattr(model, "_tfpar_zero_weights", None)
+    if state is not None:  # Sliced when built (`prepare_weights`).
+      if self.stage != 3:
+        raise ValueError(
+            f"The weights of {model.name!r} were sliced over the replicas "
+            f"when it was built (its strategy has zero=tfpar.ZeRO(stage=3)); "
+            f"fit cannot use tfpar.ZeRO(stage={self.stage}). Pass "
+            f"tfpar.ZeRO(stage=3) or no ZeRO callback.")
+      state.offload, state.bucket_bytes = self.offload, self.bucket_bytes
+    else:
+      state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
+                                          self.bucket_bytes)
+    if self.stage == 3 and state is not getattr(
+        model, "_tfpar_zero_weights", None):
       sharded_weights.shard(model, state)
       sharded_weights.regather_in_backward(model)
     sharded_optimizer.shard(inner, state)
@@ -135,6 +146,25 @@ class ZeRO(keras.callbacks.Callback):
       checkpoint.install(saved, model)  # Keras saves both.
     if self.load_from is not None:
       self._load(model)
+
+  def prepare_weights(self, model, strategy):
+    """Stage 3 at build time: gives a built model's trainable weights
+    their ZeRO-3 slices as soon as it is built (a strategy created with
+    `zero=tfpar.ZeRO(stage=3)` calls this when it prepares the model); the
+    optimizer is sharded later, by `prepare_fit`.
+
+    Args:
+      model: a built Keras model created in `strategy.scope()`.
+      strategy: the model's strategy.
+    """
+    if self.stage != 3 or getattr(model, "_tfpar_zero_weights", None):
+      return
+    _check_float32_weights(model)
+    state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
+                                        self.bucket_bytes)
+    sharded_weights.shard(model, state)
+    sharded_weights.regather_in_backward(model)
+    object.__setattr__(model, "_tfpar_zero_weights", state)
 
   def _load(self, model):
     if not model.built:

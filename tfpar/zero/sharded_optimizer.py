@@ -287,6 +287,10 @@ def _update(optimizer, state, entries, grad_slices):
         rate = tf.cast(learning_rate, piece.dtype)
         decay = tf.cast(optimizer.weight_decay, piece.dtype)
         piece.assign(piece - piece * decay * rate)
+      if isinstance(grad, tf.IndexedSlices):
+        # A slice variable takes no scatter update (SGD's for an embedding
+        # gradient); a slice is 1/N of the table, so densify it.
+        grad = tf.convert_to_tensor(grad)
       optimizer.update_step(grad, piece, learning_rate)
   if state.stage == 3:
     return

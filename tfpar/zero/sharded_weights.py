@@ -16,6 +16,7 @@ from keras.src.backend.common import variables as keras_variables
 import numpy as np
 import tensorflow as tf
 
+from tfpar.engine import spread
 from tfpar.zero import collectives
 from tfpar.zero import sparse_gradients
 from tfpar.zero import slices
@@ -136,12 +137,17 @@ def shard(model, state):
     for weight in model.trainable_variables:
       if isinstance(weight, GatheredWeight):
         continue
-      piece = state.new_slice(weight, "zero3", state.weight_slices(weight),
-                              devices=state.weight_devices(weight),
+      column = state.column(weight)
+      devices = state.weight_devices(weight)
+      values = state.weight_slices(weight)
+      created = weight._value  # pylint: disable=protected-access
+      if isinstance(created, spread.SpreadVariable):
+        created.release()  # Its creation-time slices, once read.
+      piece = state.new_slice(weight, "zero3", values, devices=devices,
                               trainable=True)
-      state.add_entry(weight, piece)
-      weight._tfpar_zero_column = state.column(weight)  # pylint: disable=protected-access
       weight._value = piece._value  # pylint: disable=protected-access
+      state.add_entry(weight, piece)
+      weight._tfpar_zero_column = column  # pylint: disable=protected-access
       weight.__class__ = _gathered_class(type(weight))
 
 

@@ -1,0 +1,249 @@
+"""Weights created where they will live: flat slices until the layout is known.
+
+A strategy that splits weights (tensor parallelism, ZeRO stage 3) learns a
+weight's final layout only once its model is built (the built-in tensor
+plan traces the model to find MLP pairs). Until then, each trainable weight
+created in its scope is a `SpreadVariable`: the initial value is drawn once,
+exactly as on one device, flattened, zero-padded and cut into K equal
+slices, slice k stored on the k-th device that will own the weight. No
+device holds more than 1/K of any weight. When the model is prepared, the
+strategy moves each weight to its final layout one at a time (a whole
+weight in transit) and `release`s its slices.
+
+Keras wraps the `SpreadVariable` in its own `keras.Variable` (the strategy's
+variable creator returns it from `tf.Variable(...)`); reading it gives the
+whole weight, so the model builds and can be traced before it is prepared.
+"""
+
+import contextlib
+import itertools
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+_disabled = threading.local()
+_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def creating_in_place():
+  """Variables created inside are created as the strategy always did (used
+  when a weight moves to its final layout)."""
+  previous = getattr(_disabled, "on", False)
+  _disabled.on = True
+  try:
+    yield
+  finally:
+    _disabled.on = previous
+
+
+def should_spread(kwargs):
+  """Whether a `tf.Variable(**kwargs)` in a spreading strategy's scope is a
+  model weight to create spread: trainable, synchronized on write, not
+  placed by its caller and not created while moving weights."""
+  if getattr(_disabled, "on", False):
+    return False
+  if kwargs.get("colocate_with") is not None:
+    return False
+  if not kwargs.get("trainable", True):
+    return False
+  synchronization = kwargs.get("synchronization")
+  return synchronization in (None, tf.VariableSynchronization.AUTO,
+                             tf.VariableSynchronization.ON_WRITE)
+
+
+def initial_tensor(kwargs, device):
+  """The initial value of a `tf.Variable(**kwargs)`, computed on `device`
+  (drawn once, as the default creator would)."""
+  value = kwargs["initial_value"]
+  with tf.init_scope(), tf.device(device):
+    if callable(value):
+      value = value()
+    return tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+
+
+def flat_pieces(value, count):
+  """`value` flattened, zero-padded to a multiple of `count` and cut into
+  `count` equal vectors."""
+  flat = tf.reshape(value, [-1])
+  size = max(1, -(-int(flat.shape[0]) // count))
+  flat = tf.pad(flat, [[0, size * count - int(flat.shape[0])]])
+  return tf.split(flat, count)
+
+
+def _components(part):
+  values = getattr(part, "values", None)
+  return tuple(values) if values is not None else (part,)
+
+
+class SpreadVariable:
+  """A weight stored as flat slices until its strategy lays it out.
+
+  Args:
+    shape: the weight's full shape.
+    dtype: its dtype.
+    name: its name.
+    parts: the slice variables, in order (each a vector of
+      ceil(elements / len(parts)) elements; mirrored over the data replicas
+      or one per device).
+    creation: the keyword arguments of the `tf.Variable` call it stands
+      for, without the initial value (to create it in its final place).
+    strategy: the strategy that created it, if any: variables created
+      `colocate_vars_with` it (an optimizer built before the model was
+      prepared, as `keras.models.load_model` does) go on `heads`.
+    heads: the devices of those variables, one per local replica.
+
+  Example:
+
+  >>> import tensorflow as tf
+  >>> from tfpar.engine.spread import SpreadVariable, flat_pieces
+  >>> value = tf.reshape(tf.range(6.0), (2, 3))
+  >>> spread = SpreadVariable((2, 3), tf.float32, "w", [
+  ...     tf.Variable(p) for p in flat_pieces(value, 4)], {})
+  >>> spread.numpy().tolist()
+  [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+  """
+
+  def __init__(self, shape, dtype, name, parts, creation, strategy=None,
+               heads=()):
+    self._shape = tf.TensorShape(shape)
+    self._dtype = tf.as_dtype(dtype)
+    self._name = name
+    self._parts = list(parts)
+    self.creation = dict(creation)
+    # What TF's colocate_vars_with and Keras's optimizer (`_var_key`) read.
+    self._distribute_strategy = strategy
+    self._devices = tuple(heads)
+    self._unique_id = f"tfpar_spread_{next(_ids)}"
+
+  shape = property(lambda self: self._shape)
+  dtype = property(lambda self: self._dtype)
+  name = property(lambda self: self._name)
+  trainable = property(lambda self: self.creation.get("trainable", True))
+  synchronization = property(lambda self: self.creation.get(
+      "synchronization", tf.VariableSynchronization.AUTO))
+  aggregation = property(lambda self: self.creation.get(
+      "aggregation", tf.VariableAggregation.NONE))
+
+  @property
+  def parts(self):
+    if not self._parts:
+      raise ValueError(
+          f"Weight {self._name!r} was moved to its final layout; this spread "
+          f"copy of it was released. Read the model's variable instead.")
+    return self._parts
+
+  @property
+  def device(self):
+    return _components(self.parts[0])[0].device
+
+  def components(self):
+    """The per-device variables holding the slices."""
+    return tuple(c for part in self.parts for c in _components(part))
+
+  def read_value(self):
+    """The whole weight (the slices concatenated where this runs)."""
+    flat = tf.concat([tf.convert_to_tensor(p) for p in self.parts], 0)
+    return tf.reshape(flat[:self._shape.num_elements()], self._shape)
+
+  value = read_value
+
+  def __tf_tensor__(self, dtype=None, name=None):
+    return tf.convert_to_tensor(self.read_value(), dtype=dtype, name=name)
+
+  def numpy(self):
+    return self.read_value().numpy()
+
+  def __array__(self, dtype=None):
+    return np.asarray(self.numpy(), dtype=dtype)
+
+  def assign(self, value, use_locking=None, name=None, read_value=True):
+    del use_locking, name
+    value = tf.convert_to_tensor(value, dtype=self._dtype)
+    for part, piece in zip(self.parts, flat_pieces(value, len(self.parts))):
+      part.assign(piece)
+    return self.read_value() if read_value else None
+
+  def release(self):
+    """Drops the slices (the weight now lives in its final layout)."""
+    self._parts = []
+
+  def __repr__(self):
+    return (f"<SpreadVariable {self._name} shape={tuple(self._shape)} "
+            f"slices={len(self._parts)}>")
+
+
+def interleaved(groups, size_of):
+  """(key, item) pairs from `groups` ({key: [items]}), taking next from the
+  group with the smallest fraction of its bytes (`size_of(item)`) taken.
+
+  Weights created spread over every group's devices (pipeline stages) then
+  leave each device about as fast as its own arrive, so no device holds
+  its final share and much of the others' slices at once.
+
+  Example:
+
+  >>> [k for k, _ in interleaved({"a": [1, 1], "b": [2]}, lambda x: x)]
+  ['a', 'b', 'a']
+  """
+  queues = {key: list(items) for key, items in groups.items()}
+  totals = {key: max(1, sum(map(size_of, items)))
+            for key, items in queues.items()}
+  taken = dict.fromkeys(queues, 0)
+  while any(queues.values()):
+    key = min((k for k, items in queues.items() if items),
+              key=lambda k: taken[k] / totals[k])
+    item = queues[key].pop(0)
+    taken[key] += size_of(item)
+    yield key, item
+
+
+def nbytes(variable):
+  """Bytes of a variable's whole value."""
+  return variable.shape.num_elements() * tf.as_dtype(variable.dtype).size
+
+
+def is_spread(variable):
+  """Whether a Keras variable's storage is still a `SpreadVariable`."""
+  return isinstance(getattr(variable, "_value", None), SpreadVariable)
+
+
+def pending_weights(model):
+  """The Keras variables of `model` whose storage is still spread."""
+  found, seen = [], set()
+  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    for variable in (layer._trainable_variables +  # pylint: disable=protected-access
+                     layer._non_trainable_variables):  # pylint: disable=protected-access
+      if id(variable) not in seen and is_spread(variable):
+        seen.add(id(variable))
+        found.append(variable)
+  return found
+
+
+def _check_keras_storage(variable):
+  # Keras's TensorFlow Variable keeps its tf.Variable in `_value`
+  # (keras/src/backend/tensorflow/core.py); fail loudly if that changes.
+  if not hasattr(variable, "_value") or not hasattr(variable, "_initialize"):
+    raise RuntimeError(
+        f"tfpar expected a Keras variable with `_value` storage; "
+        f"{type(variable).__name__} has none (a Keras upgrade changed it).")
+
+
+def materialize(variable, strategy):
+  """Gives a Keras variable whose storage is spread an ordinary variable of
+  `strategy` (a copy per replica head), then releases the slices.
+
+  Args:
+    variable: a Keras variable with `SpreadVariable` storage.
+    strategy: the strategy whose scope creates the new variable.
+  """
+  _check_keras_storage(variable)
+  spread = variable._value  # pylint: disable=protected-access
+  whole = spread.read_value()
+  spread.release()
+  with strategy.scope(), creating_in_place():
+    kwargs = dict(spread.creation)
+    kwargs["initial_value"] = whole
+    replacement = tf.Variable(**kwargs)
+  variable._value = replacement  # pylint: disable=protected-access
