@@ -189,7 +189,8 @@ def test_bad_accumulation_steps_are_value_errors_on_every_path(steps):
   """A recipe, the planner and Keras's own optimizers (which tfpar's
   strategies use unchanged) refuse them before any work, naming the key.
   Keras takes 0 as "off" and, as of Keras 3.15, lets a float such as 2.5
-  through to a TypeError in the first step, on one device too."""
+  through to a TypeError in the first step, on one device too: tfpar's
+  `fit` hook refuses it first."""
   from tfpar import planner  # pylint: disable=g-import-not-at-top
   from tfpar.recipes import schema  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match=r"training\.gradient_accumulation_"
@@ -204,6 +205,17 @@ def test_bad_accumulation_steps_are_value_errors_on_every_path(steps):
   if steps in (1, -1, True):
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
       keras.optimizers.Adam(gradient_accumulation_steps=steps)
+  if steps == 2.5:  # Keras takes it; tfpar's fit refuses it before a step.
+    from tfpar import keras_hooks  # pylint: disable=g-import-not-at-top
+    keras_hooks.install_fit_preparation()  # As once any strategy is made.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(gradient_accumulation_steps=steps),
+                  loss="mse")
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps must "
+                       r"be an integer.*Received: gradient_accumulation_"
+                       r"steps=2.5"):
+      model.fit(np.ones((4, 3)), np.ones((4, 1)), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 def test_an_unknown_policy_is_a_value_error_on_every_path():

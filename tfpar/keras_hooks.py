@@ -65,6 +65,7 @@ def install_fit_preparation():
 
   @functools.wraps(original)
   def fit(self, *args, callbacks=None, **kwargs):
+    check_accumulation_steps(self.optimizer)
     for callback in callbacks or ():
       prepare = getattr(callback, "prepare_fit", None)
       if prepare is not None:
@@ -79,6 +80,35 @@ def install_fit_preparation():
 
   tf_trainer.TensorFlowTrainer.fit = fit
   _installed.add("fit")
+
+
+def check_accumulation_steps(optimizer):
+  """Refuses a `gradient_accumulation_steps` Keras takes but cannot run.
+
+  Keras (3.15) accepts a float such as 2.5 and fails inside TensorFlow at
+  the first step (a TypeError, on one device too).
+
+  Args:
+    optimizer: the model's optimizer, or None.
+
+  Raises:
+    ValueError: the steps are not an integer.
+
+  Example:
+
+  >>> import keras
+  >>> check_accumulation_steps(keras.optimizers.Adam(
+  ...     gradient_accumulation_steps=2))
+  """
+  for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+    steps = getattr(candidate, "gradient_accumulation_steps", None)
+    if steps is not None and (isinstance(steps, bool) or
+                              not isinstance(steps, int)):
+      raise ValueError(
+          f"gradient_accumulation_steps must be an integer of at least 2 "
+          f"(or None for no accumulation). Received: "
+          f"gradient_accumulation_steps={steps!r} on optimizer "
+          f"{candidate.name!r}.")
 
 
 _KERAS_DEFAULT_BATCH_SIZE = 32
