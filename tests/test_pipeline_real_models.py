@@ -184,13 +184,19 @@ def _mobilenet():
       weights=None, input_shape=(32, 32, 3), classes=10, alpha=0.35)
 
 
-# MobileNetV2 trains equal to the micro-batch loop too (float64, data 2 x
-# pipeline 2, recompute: weights 1.8e-8), but takes ~5 minutes: left out.
-CNNS = {"mobilenet_v2": _mobilenet, "tiny_resnet": _tiny_resnet,
+def _resnet50_v2():
+  return keras.applications.ResNet50V2(
+      weights=None, input_shape=(32, 32, 3), classes=10)
+
+
+CNNS = {"mobilenet_v2": _mobilenet, "resnet50_v2": _resnet50_v2,
+        "tiny_resnet": _tiny_resnet,
         "tiny_bn_resnet": functools.partial(_tiny_resnet, batch_norm=True)}
 # (model, data, pipeline, schedule, recompute, steps, dtype)
 CNN_RUNS = [("tiny_bn_resnet", 2, 2, "1f1b", True, 4, "float64"),
-            ("tiny_resnet", 2, 2, "gpipe", False, 6, "float32")]
+            ("tiny_resnet", 2, 2, "gpipe", False, 6, "float32"),
+            ("mobilenet_v2", 2, 2, "gpipe", False, 2, "float64"),
+            ("resnet50_v2", 2, 2, "1f1b", True, 2, "float64")]
 
 
 def _cnn(name):

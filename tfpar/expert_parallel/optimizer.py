@@ -7,11 +7,9 @@
   the slot's component on each replica holds that replica's experts only.
 """
 
-import warnings
-
-import numpy as np
 import tensorflow as tf
 
+from tfpar.engine import whole_state
 from tfpar.expert_parallel import comm
 from tfpar.expert_parallel import variables as variables_lib
 
@@ -90,22 +88,5 @@ def _checkpoint_whole_slots_once_built(optimizer, context):
 
 
 def _install_whole_slot_saving(optimizer, context):
-
-  def save_own_variables(store):
-    for index, entry in enumerate(whole_entries(optimizer, context)):
-      store[str(index)] = np.asarray(entry.numpy())
-
-  def load_own_variables(store):
-    entries = whole_entries(optimizer, context)
-    if len(store.keys()) != len(entries):
-      warnings.warn(
-          f"Skipping variable loading for optimizer {optimizer.name!r}: it "
-          f"has {len(entries)} variables and the checkpoint "
-          f"{len(store.keys())}. Build the optimizer first "
-          f"(optimizer.build(model.trainable_variables)).", stacklevel=2)
-      return
-    for index, entry in enumerate(entries):
-      entry.assign(store[str(index)])
-
-  object.__setattr__(optimizer, "save_own_variables", save_own_variables)
-  object.__setattr__(optimizer, "load_own_variables", load_own_variables)
+  whole_state.save_whole_state(
+      optimizer, lambda: whole_entries(optimizer, context))

@@ -8,14 +8,13 @@
   shard by its own norm.)
 """
 
-import warnings
-
 import numpy as np
 from keras.src.optimizers import base_optimizer
 from keras import ops
 
 from tensorflow.python.trackable import data_structures
 
+from tfpar.engine import whole_state
 from tfpar.tensor_parallel.variables import LogicalTensor
 from tfpar.tensor_parallel.variables import sharded_weights
 
@@ -97,26 +96,8 @@ def rebuild_for_shards(model):
 
 
 def _install_logical_saving(optimizer, model):
-
-  def save_own_variables(store):
-    entries = _logical_entries(optimizer.variables, sharded_weights(model))
-    for index, entry in enumerate(entries):
-      store[str(index)] = np.asarray(entry.numpy())
-
-  def load_own_variables(store):
-    entries = _logical_entries(optimizer.variables, sharded_weights(model))
-    if len(store.keys()) != len(entries):
-      warnings.warn(
-          f"Skipping variable loading for optimizer {optimizer.name!r}: it "
-          f"has {len(entries)} logical variables and the checkpoint "
-          f"{len(store.keys())}. Build the optimizer first "
-          f"(optimizer.build(model.trainable_variables)).", stacklevel=2)
-      return
-    for index, entry in enumerate(entries):
-      entry.assign(store[str(index)])
-
-  object.__setattr__(optimizer, "save_own_variables", save_own_variables)
-  object.__setattr__(optimizer, "load_own_variables", load_own_variables)
+  whole_state.save_whole_state(optimizer, lambda: _logical_entries(
+      optimizer.variables, sharded_weights(model)))
 
 
 def _install_logical_checkpoint(optimizer, model):
