@@ -78,7 +78,12 @@ class TensorParallelExtended(engine_extended.MeshExtended):
         layer._tfpar_layer_layout  # pylint: disable=protected-access
         for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
         if getattr(layer, "_tfpar_layer_layout", None) is not None)
-    if already:  # Its layers belong to a model sharded before (Sequential).
+    if already:  # Its layers belong to a model sharded before (Sequential,
+      # or a keras-hub backbone inside a task model): weights of its own
+      # layers outside that model (a Dense head) stay whole, as before
+      # weights were created spread.
+      for variable in spread.pending_weights(model):
+        spread.materialize(variable, self._container_strategy())
       object.__setattr__(model, "_tfpar_layouts", already)
       whole_weights.install(model)
       return
