@@ -128,7 +128,8 @@ def test_the_planner_knows_the_build_peak(run, one_device):
   whole weights in transit (tensors, which variables do not show): at most
   two more."""
   layout, accounting, _, _, _, _, _ = run
-  result = tfpar.plan(one_device[3], 4, "1GB", batch_size=tp_common.BATCH)
+  result = tfpar.plan_layout(one_device[3], 4, "1GB",
+                             batch_size=tp_common.BATCH)
   candidate = next(c for c in result.candidates
                    if c.name == PLANNED[layout])
   measured = max(accounting.peak.values())
