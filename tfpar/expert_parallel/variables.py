@@ -161,11 +161,7 @@ def replace(owner, variable, weight):
   """Puts `weight.variable` where `variable` was in `owner`'s variable
   lists and attributes, and `weight` in its logical order (whole weights
   for `tfpar.logical_weights` and `save_weights`)."""
-  order = getattr(owner, "_tfpar_logical_order", None)
-  if order is None:
-    order = list(owner._trainable_variables + owner._non_trainable_variables)  # pylint: disable=protected-access
-    object.__setattr__(owner, "_tfpar_logical_order", order)
-  order[[i for i, v in enumerate(order) if v is variable][0]] = weight
+  tp_variables.record_logical_weight(owner, variable, weight)
   for store in (owner._trainable_variables, owner._non_trainable_variables):  # pylint: disable=protected-access
     for position, item in enumerate(store):
       if item is variable:
@@ -175,4 +171,4 @@ def replace(owner, variable, weight):
       object.__setattr__(owner, attribute, weight.variable)
   # Saves and loads `owner`'s logical order (whole weights), as tensor
   # parallelism does for its shards.
-  tp_variables._install_logical_saving(owner)  # pylint: disable=protected-access
+  tp_variables.install_logical_saving(owner)

@@ -142,7 +142,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
     _replace(owner, variable, weight)
     logical[variable.path] = weight
   for owner in {owners[path][0] for path in logical}:
-    _install_logical_saving(owner)
+    install_logical_saving(owner)
   return logical
 
 
@@ -153,14 +153,20 @@ def _release_spread(variable):
     storage.release()
 
 
-def _replace(owner, variable, weight):
-  """Puts `weight`'s shards where `variable` was in `owner`'s variable lists
-  and `weight` where `variable` was among its attributes."""
+def record_logical_weight(owner, variable, weight):
+  """Puts `weight` (a whole-weight view) where `variable` was in `owner`'s
+  logical order, the order `tfpar.logical_weights` and saving follow."""
   order = getattr(owner, "_tfpar_logical_order", None)
   if order is None:
     order = list(owner._trainable_variables + owner._non_trainable_variables)  # pylint: disable=protected-access
     object.__setattr__(owner, "_tfpar_logical_order", order)
   order[[i for i, v in enumerate(order) if v is variable][0]] = weight
+
+
+def _replace(owner, variable, weight):
+  """Puts `weight`'s shards where `variable` was in `owner`'s variable lists
+  and `weight` where `variable` was among its attributes."""
+  record_logical_weight(owner, variable, weight)
   for store in (owner._trainable_variables, owner._non_trainable_variables):  # pylint: disable=protected-access
     for position, item in enumerate(store):
       if item is variable:
@@ -174,7 +180,7 @@ def _replace(owner, variable, weight):
       owner._track_trackable(weight, name=attribute, overwrite=True)  # pylint: disable=protected-access
 
 
-def _install_logical_saving(owner):
+def install_logical_saving(owner):
   """`owner` saves and loads whole logical tensors, in its original order,
   so checkpoints load into any tensor size or no strategy at all."""
   if getattr(owner, "_tfpar_saves_logical", False):
