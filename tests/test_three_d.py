@@ -102,13 +102,6 @@ def _assert_zero_slices_over_data(reference, result, zero_stage):
                                                                   weights)
 
 
-# Known regression, found at the end of stop 25 and not yet fixed: after
-# weights became created spread (issue 15), 3D + ZeRO-2 under
-# mixed_float16 ends 1.8e-4 from one device in the loss (Mirrored's spread
-# 6.2e-6; the same test measured 1.5e-5 before that merge). strict: the
-# mark fails the suite as soon as the cause is fixed, so it gets removed.
-@pytest.mark.xfail(strict=True, reason="3D + ZeRO-2 under mixed_float16 "
-                   "regressed with spread weights (issue 15), see above")
 def test_3d_under_mixed_policies_and_accumulation_matches_one_device(
     tmp_path):
   """data 2 x pipeline 2 x tensor 2, with and without ZeRO-2, under

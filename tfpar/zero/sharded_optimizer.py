@@ -258,6 +258,29 @@ class _ShardedUpdate(keras.optimizers.Optimizer):
     _update(self, state, [state.entries[id(v)] for v in trainable_variables],
             grads)
 
+  # A slice is a sync-on-read variable, which takes no scatter; an
+  # `IndexedSlices` update (SGD's on an embedding's slice) goes to the
+  # replica's own component, as one device scatters into its table. Only the
+  # variable gets this; slot variables keep scattering (Adam squares each
+  # repeated row on its own, as one device does).
+
+  def assign_add(self, variable, value):
+    super().assign_add(_scatter_target(variable, value), value)
+
+  def assign_sub(self, variable, value):
+    super().assign_sub(_scatter_target(variable, value), value)
+
+  def assign(self, variable, value):
+    super().assign(_scatter_target(variable, value), value)
+
+
+def _scatter_target(variable, value):
+  if isinstance(value, tf.IndexedSlices):
+    inner = getattr(variable, "value", None)  # A Keras variable's tf one.
+    if isinstance(inner, tf.distribute.DistributedValues):
+      return slices.local_component(variable)
+  return variable
+
 
 _classes = {}
 
@@ -287,10 +310,6 @@ def _update(optimizer, state, entries, grad_slices):
         rate = tf.cast(learning_rate, piece.dtype)
         decay = tf.cast(optimizer.weight_decay, piece.dtype)
         piece.assign(piece - piece * decay * rate)
-      if isinstance(grad, tf.IndexedSlices):
-        # A slice variable takes no scatter update (SGD's for an embedding
-        # gradient); a slice is 1/N of the table, so densify it.
-        grad = tf.convert_to_tensor(grad)
       optimizer.update_step(grad, piece, learning_rate)
   if state.stage == 3:
     return
