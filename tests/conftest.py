@@ -10,3 +10,17 @@ import tfpar  # pylint: disable=g-import-not-at-top
 
 NUM_TEST_DEVICES = 4
 tfpar.configure_virtual_cpus(NUM_TEST_DEVICES)
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Seconds per test file, slowest first: where the suite's time goes."""
+  seconds = {}
+  for reports in terminalreporter.stats.values():
+    for report in reports:
+      if getattr(report, "when", None) and hasattr(report, "duration"):
+        path = report.nodeid.split("::")[0]
+        seconds[path] = seconds.get(path, 0.0) + report.duration
+  if seconds:
+    terminalreporter.write_sep("-", "seconds per test file")
+    for path, total in sorted(seconds.items(), key=lambda item: -item[1]):
+      terminalreporter.write_line(f"{total:8.1f}  {path}")
