@@ -53,12 +53,5 @@ def dataset_batch_size(dataset):
   >>> dataset_batch_size(tf.data.Dataset.range(10).batch(6).prefetch(1))
   6
   """
-  while dataset is not None:
-    batch_size = getattr(dataset, "_batch_size", None)
-    if batch_size is not None:
-      try:
-        return int(batch_size.numpy())
-      except (AttributeError, TypeError, ValueError):
-        return None
-    dataset = getattr(dataset, "_input_dataset", None)
-  return None
+  from tfpar._compat import runtime  # pylint: disable=g-import-not-at-top
+  return runtime.dataset_batch_size(dataset)

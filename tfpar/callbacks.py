@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfpar import keras_hooks
+from tfpar._compat import keras_callbacks
 from tfpar import preemption
 from tfpar.zero import checkpoint as zero_checkpoint
 
@@ -27,7 +28,7 @@ def is_chief(model):
   return getattr(strategy.extended, "should_checkpoint", True)
 
 
-class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class ModelCheckpoint(keras_callbacks.ModelCheckpointBase):
   """`keras.callbacks.ModelCheckpoint` that only the chief writes.
 
   Args: as `keras.callbacks.ModelCheckpoint`.
@@ -39,13 +40,13 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
   ...                                    save_weights_only=True)
   """
 
-  def _save_model(self, epoch, batch, logs):
+  def around_save(self, save):
     with zero_checkpoint.whole_values(self.model):
       if is_chief(self.model):
-        super()._save_model(epoch, batch, logs)
+        save()
 
 
-class BackupAndRestore(keras.callbacks.BackupAndRestore):
+class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
   """`keras.callbacks.BackupAndRestore` for multi-worker jobs, resuming at
   the exact step.
 
@@ -98,8 +99,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
       self._preemption = preemption.PreemptionWatch(
           self.model.distribute_strategy)
       self._preemption.install()
-    if tf.io.gfile.exists(self._training_metadata_path):
-      with tf.io.gfile.GFile(self._training_metadata_path) as metadata:
+    if tf.io.gfile.exists(self.metadata_path()):
+      with tf.io.gfile.GFile(self.metadata_path()) as metadata:
         self._to_skip = json.load(metadata).get(self._BATCHES_DONE, 0)
     if self._to_skip:
       self._skip_trained_batches()
@@ -133,21 +134,21 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     super().on_train_batch_end(batch, logs)
     self._steps_run += 1
     if self._preemption and self._preemption.save_now(self._steps_run):
-      self._save_model()
+      self.save_backup()
       self._preemption.exit_after_save(is_chief(self.model))
 
   def on_epoch_end(self, epoch, logs=None):
     self._batches_done = self._to_skip = 0
     super().on_epoch_end(epoch, logs)
 
-  def _save_model(self):
+  def around_save(self, save):
     with zero_checkpoint.whole_values(self.model):
       if is_chief(self.model):
-        super()._save_model()
-        with tf.io.gfile.GFile(self._training_metadata_path) as metadata:
+        save()
+        with tf.io.gfile.GFile(self.metadata_path()) as metadata:
           written = json.load(metadata)
         written[self._BATCHES_DONE] = self._batches_done
-        with tf.io.gfile.GFile(self._training_metadata_path, "w") as metadata:
+        with tf.io.gfile.GFile(self.metadata_path(), "w") as metadata:
           json.dump(written, metadata)
 
   def finish_fit(self, model):

@@ -15,9 +15,9 @@ import os
 import re
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 from tfpar import local_devices
+from tfpar._compat import runtime
 from tfpar import ports
 
 TF_CONFIG_ENV = "TF_CONFIG"
@@ -254,9 +254,7 @@ def layout_from_resolver(resolver=None):
 def _server_started():
   # Set by the first MultiWorkerMirroredStrategy of this process, whose
   # server then holds the port; later strategies reuse that server.
-  ctx = context.context()
-  return bool(getattr(ctx, "_collective_ops_server_def", None) or
-              getattr(ctx, "_server_def", None))
+  return runtime.server_started()
 
 
 def _resolver_device_count(resolver):

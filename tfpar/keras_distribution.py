@@ -24,7 +24,9 @@ pointing here, instead of silently training on one device.
 import collections
 
 import keras
-from keras.src.distribution import distribution_lib
+
+from tfpar._compat import keras_distribution_parts
+from tfpar._compat.keras_modules import distribution_lib
 
 KerasDistributionSetup = collections.namedtuple(
     "KerasDistributionSetup", ["strategy", "callbacks"])
@@ -90,7 +92,7 @@ def from_keras_distribution(distribution):
         f"Received: axis_names={names}, shape={device_mesh.shape}")
   sizes = dict(zip(names, device_mesh.shape))
   model_axis = others[0]
-  layout_map = distribution._layout_map  # pylint: disable=protected-access
+  layout_map = keras_distribution_parts.layout_map(distribution)
   strategy = tensor_strategy.TensorParallelStrategy(
       mesh_lib.Mesh({"data": sizes.get(batch, 1),
                      "tensor": sizes[model_axis]}),

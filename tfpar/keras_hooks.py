@@ -19,7 +19,7 @@
   checked with its own batch size.
 
 The optimizer's hooks (gradient accumulation, loss scaling) are in
-`tfpar.optimizer_hooks`.
+`tfpar._compat.keras_optimizer_hooks`.
 
 The patches are installed once per process and are idempotent.
 """
@@ -27,9 +27,10 @@ The patches are installed once per process and are idempotent.
 import functools
 import inspect
 
-from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from tfpar import batches
+from tfpar._compat import keras_trainer
+from tfpar._compat.keras_modules import tf_trainer
 
 _installed = set()
 
@@ -43,7 +44,7 @@ def install_model_registration():
   @functools.wraps(original)
   def __init__(self, *args, **kwargs):
     original(self, *args, **kwargs)
-    strategy = getattr(self, "_distribute_strategy", None)
+    strategy = keras_trainer.model_strategy(self)
     register = getattr(getattr(strategy, "extended", None), "register_model",
                        None)
     if register is not None:

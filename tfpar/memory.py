@@ -4,8 +4,8 @@ import collections
 import dataclasses
 from typing import Dict
 
-from tensorflow.python.distribute import values as values_lib
-
+from tfpar._compat import keras_layers
+from tfpar._compat.tf_modules import values_lib
 from tfpar.engine import spread
 
 
@@ -22,7 +22,7 @@ def components(variable):
   >>> len(components(keras.Variable([1.0, 2.0])))
   1
   """
-  value = getattr(variable, "_value", variable)
+  value = keras_layers.storage(variable, variable)
   if isinstance(value, values_lib.DistributedValues):
     return value.values
   if isinstance(value, spread.SpreadVariable):  # Not laid out yet.

@@ -70,7 +70,7 @@ class Mesh:
       raise ValueError("A mesh needs at least one device. Received: devices=()")
     if len(set(devices)) != len(devices):
       raise ValueError(f"Mesh devices must be distinct. Received: {devices}")
-    shape = _resolve_sizes(axis_sizes, len(devices))
+    shape = resolve_sizes(axis_sizes, len(devices))
     array = np.empty(len(devices), dtype=object)
     array[:] = devices
     array = array.reshape(tuple(shape.values()))
@@ -122,7 +122,7 @@ class Mesh:
                for d in layout.task_devices(job, index)]
     try:
       return cls(axis_sizes or None, devices, _cluster=layout)
-    except _SizeMismatch as e:
+    except SizeMismatch as e:
       raise ValueError(
           f"{e} The cluster has {layout.num_tasks} task(s) x "
           f"{layout.devices_per_task} {layout.device_type} device(s) = "
@@ -202,6 +202,11 @@ class Mesh:
     return self._cluster
 
   @property
+  def tpu_layout(self):
+    """The TPU slice layout of a mesh made from a TPU resolver, or None."""
+    return self._tpu
+
+  @property
   def device_assignment(self):
     """The `tf.tpu.experimental.DeviceAssignment` of a TPU mesh, or None."""
     return None if self._tpu is None else self._tpu.device_assignment
@@ -262,8 +267,8 @@ class Mesh:
           f"'pipeline' or 'data'.")
 
 
-class _SizeMismatch(ValueError):
-  pass
+class SizeMismatch(ValueError):
+  """Axis sizes that do not multiply to the number of devices."""
 
 
 def _axis_position(axis):
@@ -273,7 +278,20 @@ def _axis_position(axis):
   return AXES.index(axis)
 
 
-def _resolve_sizes(axis_sizes, num_devices):
+def resolve_sizes(axis_sizes, num_devices):
+  """{axis: size} for every axis, with -1 and missing axes resolved.
+
+  Args:
+    axis_sizes: {axis: size} (None: all devices on "data").
+    num_devices: how many devices the sizes must multiply to.
+
+  Raises:
+    ValueError: an unknown axis or a bad size; `SizeMismatch` when the
+      sizes do not multiply to `num_devices`.
+
+  >>> resolve_sizes({"data": -1, "tensor": 2}, 8)["data"]
+  4
+  """
   if axis_sizes is None:
     axis_sizes = {"data": -1}
   if not hasattr(axis_sizes, "items"):
@@ -301,12 +319,12 @@ def _resolve_sizes(axis_sizes, num_devices):
   known = int(np.prod([n for n in shape.values() if n != -1]))
   if inferred:
     if num_devices % known:
-      raise _SizeMismatch(
+      raise SizeMismatch(
           f"Cannot infer mesh axis '{inferred[0]}': {num_devices} devices "
           f"are not divisible by the other axes' product {known}.")
     shape[inferred[0]] = num_devices // known
   elif known != num_devices:
-    raise _SizeMismatch(
+    raise SizeMismatch(
         f"Mesh shape {shape} needs {known} devices but {num_devices} are "
         f"available.")
   return shape

@@ -14,7 +14,7 @@ Two sources:
   coordination service's heartbeat RPC when the chief is gone; `explain`
   turns it into the worker's name and address.
 
-TensorFlow's key-value store is reached through `tensorflow.python.eager.
+TensorFlow's key-value store is reached through `tfpar._compat.runtime` (`tensorflow.python.eager.
 context` (as in `tfpar.preemption`).
 """
 
@@ -26,6 +26,7 @@ import time
 import tensorflow as tf
 
 from tfpar import timeouts as timeouts_lib
+from tfpar._compat import runtime
 
 _PREFIX = "tfpar/waiting"
 _LINGER_SECONDS = 3.0  # The chief keeps its store up for the others' reads.
@@ -47,8 +48,7 @@ def grace_seconds(collective_timeout):
 
 
 def _store():
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  return context.context()
+  return runtime.context()
 
 
 def _key(task, suffix=""):

@@ -11,7 +11,7 @@ without any acknowledgement: no worker can finish the announced step before
 the announcing worker has started it (the step's all-reduce waits for every
 worker), and it announces before starting it.
 
-TensorFlow's key-value store is reached through `tensorflow.python.eager.
+TensorFlow's key-value store is reached through `tfpar._compat.runtime` (`tensorflow.python.eager.
 context`, checked on first use, so an upgrade that moves it fails loudly.
 """
 
@@ -21,14 +21,15 @@ import threading
 
 import tensorflow as tf
 
+from tfpar._compat import runtime
+
 PREEMPTED_EXIT_CODE = 143  # As TensorFlow's PreemptionCheckpointHandler.
 _SAVED_TIMEOUT_MS = 120_000  # How long workers wait for the chief's write.
 _generations = [0]  # Watches made in this process: the same on every worker.
 
 
 def _key_value_store():
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  store = context.context()
+  store = runtime.context()
   for method in ("set_config_key_value", "get_config_key_value"):
     if not hasattr(store, method):
       raise RuntimeError(

@@ -27,6 +27,8 @@ import re
 
 import tensorflow as tf
 
+from tfpar._compat import runtime
+
 CONNECT_ENV = "TFPAR_CONNECT_TIMEOUT"
 COLLECTIVE_ENV = "TFPAR_COLLECTIVE_TIMEOUT"
 HEARTBEAT_ENV = "TFPAR_HEARTBEAT_TIMEOUT"
@@ -96,28 +98,13 @@ def configure_coordination(layout, timeouts):
     layout: this process's `tfpar.cluster.ClusterLayout`.
     timeouts: a `Timeouts`.
   """
-  # pylint: disable=g-import-not-at-top
-  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-  from tensorflow.python.distribute import multi_worker_util
-  from tensorflow.python.eager import context
-  ctx = context.context()
-  if ctx.coordination_service is not None:
-    return
-  spec = layout.cluster_spec
-  ctx.configure_coordination_service(
-      service_type="standalone",
-      service_leader=multi_worker_util.coordination_leader(spec),
-      cluster_register_timeout_in_ms=_milliseconds(timeouts.connect),
-      heartbeat_timeout_in_ms=_milliseconds(timeouts.heartbeat),
-      coordinated_jobs=[
-          coordination_config_pb2.CoordinatedJob(name=job,
-                                                 num_tasks=len(spec[job]))
-          for job in ("chief", "worker") if job in spec])
   # Without the registration barrier, the first task waits for the others
   # in `WaitForAllTasks`, which ignores the register timeout (a peer that
   # never starts: "Waiting for 1/2 tasks to connect." for ever).
-  ctx.coordination_service.cluster_register_with_barrier = (
-      timeouts.connect is not None)
+  runtime.configure_coordination_service(
+      layout.cluster_spec, _milliseconds(timeouts.connect),
+      _milliseconds(timeouts.heartbeat),
+      use_barrier=timeouts.connect is not None)
 
 
 def _milliseconds(seconds):

@@ -27,6 +27,9 @@ import time
 import tensorflow as tf
 
 from tfpar import peer_report
+from tfpar._compat import distribute
+from tfpar._compat import runtime
+from tfpar._compat.keras_modules import tf_trainer
 
 _installed = []
 
@@ -95,9 +98,7 @@ class _Watchdog:
       if came:
         peer_report.withdraw(watch.layout)
         return
-      from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-      context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED,
-                                             report)
+      runtime.abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, report)
     except Exception as error:  # pylint: disable=broad-except
       # The watchdog must outlive a failed report; it tries again later.
       watch.started, watch.report = time.monotonic(), None
@@ -140,7 +141,7 @@ def watching(strategy, what):
   if layout is None:
     yield
     return
-  ordinal = getattr(strategy, "_collective_key_base", 0) // 100_000
+  ordinal = distribute.strategy_ordinal(strategy)
   what = f"{what} of strategy #{ordinal} ({type(strategy).__name__})"
   watch = None
   if timeouts.collective is not None:
@@ -188,17 +189,16 @@ def install():
   (idempotent)."""
   if _installed:
     return
-  from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top
   for kind, attribute in (("train", "train_function"),
                           ("test", "test_function"),
                           ("predict", "predict_function")):
     maker = f"make_{attribute}"
-    original = getattr(trainer.TensorFlowTrainer, maker, None)
+    original = getattr(tf_trainer.TensorFlowTrainer, maker, None)
     if original is None:
       raise RuntimeError(
           f"tfpar's watchdog cannot wrap this Keras's steps: "
           f"TensorFlowTrainer has no {maker}.")
-    setattr(trainer.TensorFlowTrainer, maker,
+    setattr(tf_trainer.TensorFlowTrainer, maker,
             _watching_maker(original, kind, attribute))
   _installed.append(True)
 

@@ -2,8 +2,8 @@
 strategy itself when it is given one."""
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
 
+from tfpar._compat.tf_modules import resource_variable_ops
 from tfpar.engine import extended as engine_extended
 
 

@@ -9,7 +9,8 @@ read back as bfloat16.
 """
 
 import tensorflow as tf
-from tensorflow.python.distribute import values as values_lib
+
+from tfpar._compat.tf_modules import values_lib
 
 
 class Bfloat16Gather:

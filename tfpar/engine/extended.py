@@ -20,16 +20,16 @@ import threading
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.util import nest
 
 from tfpar import batches
 from tfpar import keras_hooks
-from tfpar import optimizer_hooks
 from tfpar import timeouts as timeouts_lib
 from tfpar import watchdog
+from tfpar._compat import keras_optimizer_hooks
+from tfpar._compat.tf_modules import collective_all_reduce_strategy
+from tfpar._compat.tf_modules import cross_device_ops_lib
+from tfpar._compat.tf_modules import nest
+from tfpar._compat.tf_modules import values_lib
 from tfpar.engine import bfloat16_gather
 from tfpar.engine import grouping
 from tfpar.engine import merge_free
@@ -86,8 +86,8 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     self._column = threading.local()
     keras_hooks.install_model_registration()
     keras_hooks.install_batch_size_checks()
-    optimizer_hooks.install_accumulation_without_merge_call()
-    optimizer_hooks.install_global_overflow_check()
+    keras_optimizer_hooks.install_accumulation_without_merge_call()
+    keras_optimizer_hooks.install_global_overflow_check()
     self._init_merge_free()
     self._local_groups = tuple(
         group for group in mesh.replicas if mesh.is_local(group[0]))
@@ -215,7 +215,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
   # replica heads one at a time ("Efficient batch_reduce is not supported if
   # destinations are different").
 
-  def _column_of(self, value):
+  def column_of(self, value):
     """The index within its replica group of the device holding a
     per-replica value (its column), or None."""
     if isinstance(value, values_lib.DistributedValues):
@@ -233,7 +233,9 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
           return column
     return None
 
-  def _column_cross_device_ops(self, column):
+  def column_cross_device_ops(self, column):
+    """The `CollectiveAllReduce` over the devices at `column` of every
+    replica group (tensor shards' collectives)."""
     if column not in self._column_ops:
       self._column_ops[column] = cross_device_ops_lib.CollectiveAllReduce(
           devices=[group[column] for group in self._local_groups],
@@ -244,7 +246,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
 
   def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
     values = [v for v, _ in value_destination_pairs]
-    groups = grouping.reduction_groups([self._column_of(v) for v in values],
+    groups = grouping.reduction_groups([self.column_of(v) for v in values],
                                        values)
     if len(groups) == 1 and next(iter(groups))[0] == 0:
       return super()._batch_reduce_to(reduce_op, value_destination_pairs,
@@ -255,7 +257,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
       if column == 0:
         reduced = super()._batch_reduce_to(reduce_op, pairs, options)
       else:
-        reduced = self._column_cross_device_ops(column).batch_reduce(
+        reduced = self.column_cross_device_ops(column).batch_reduce(
             reduce_op, pairs,
             options=self._communication_options.merge(options))
       for index, value in zip(indices, reduced):

@@ -8,7 +8,7 @@ both, which would not concatenate: "Tensors in list passed to 'values' of
 'ConcatV2' Op have types [float32, float16, ...]").
 """
 
-from tensorflow.python.distribute import values as values_lib
+from tfpar._compat.tf_modules import values_lib
 
 
 def dtype_of(value):

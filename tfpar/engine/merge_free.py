@@ -22,7 +22,9 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.util import nest
+
+from tfpar._compat import distribute
+from tfpar._compat.tf_modules import nest
 
 from tfpar.engine import grouping
 
@@ -60,17 +62,18 @@ class MergeFreeUpdates:
     if not self.merge_free_active():
       return super()._replica_ctx_all_reduce(reduce_op, value, options)
     flat = nest.flatten(value)
-    groups = grouping.reduction_groups([self._column_of(v) for v in flat],
+    groups = grouping.reduction_groups([self.column_of(v) for v in flat],
                                        flat)
-    replica_id = tf.distribute.get_replica_context()._replica_id  # pylint: disable=protected-access
+    replica_id = distribute.local_replica_index(
+        tf.distribute.get_replica_context())
     options = self._communication_options.merge(
         options or tf.distribute.experimental.CommunicationOptions())
     results = [None] * len(flat)
     for (column, _), indices in groups.items():
       ops = (self._cross_device_ops if column == 0 else
-             self._column_cross_device_ops(column))
-      reduced = ops._all_reduce(  # pylint: disable=protected-access
-          reduce_op, [flat[i] for i in indices], replica_id, options)
+             self.column_cross_device_ops(column))
+      reduced = distribute.all_reduce(
+          ops, reduce_op, [flat[i] for i in indices], replica_id, options)
       for index, result in zip(indices, reduced):
         results[index] = result
     return nest.pack_sequence_as(value, results)

@@ -22,6 +22,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tfpar._compat import keras_layers
+
 _disabled = threading.local()
 _ids = itertools.count()
 
@@ -206,15 +208,14 @@ def nbytes(variable):
 
 def is_spread(variable):
   """Whether a Keras variable's storage is still a `SpreadVariable`."""
-  return isinstance(getattr(variable, "_value", None), SpreadVariable)
+  return isinstance(keras_layers.storage(variable), SpreadVariable)
 
 
 def pending_weights(model):
   """The Keras variables of `model` whose storage is still spread."""
   found, seen = [], set()
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
-    for variable in (layer._trainable_variables +  # pylint: disable=protected-access
-                     layer._non_trainable_variables):  # pylint: disable=protected-access
+  for layer in keras_layers.flatten_layers(model, include_self=True):
+    for variable in keras_layers.own_variables(layer):
       if id(variable) not in seen and is_spread(variable):
         seen.add(id(variable))
         found.append(variable)
@@ -222,9 +223,7 @@ def pending_weights(model):
 
 
 def _check_keras_storage(variable):
-  # Keras's TensorFlow Variable keeps its tf.Variable in `_value`
-  # (keras/src/backend/tensorflow/core.py); fail loudly if that changes.
-  if not hasattr(variable, "_value") or not hasattr(variable, "_initialize"):
+  if not keras_layers.can_replace_storage(variable):
     raise RuntimeError(
         f"tfpar expected a Keras variable with `_value` storage; "
         f"{type(variable).__name__} has none (a Keras upgrade changed it).")
@@ -239,11 +238,11 @@ def materialize(variable, strategy):
     strategy: the strategy whose scope creates the new variable.
   """
   _check_keras_storage(variable)
-  spread = variable._value  # pylint: disable=protected-access
+  spread = keras_layers.storage(variable)
   whole = spread.read_value()
   spread.release()
   with strategy.scope(), creating_in_place():
     kwargs = dict(spread.creation)
     kwargs["initial_value"] = whole
     replacement = tf.Variable(**kwargs)
-  variable._value = replacement  # pylint: disable=protected-access
+  keras_layers.replace_storage(variable, replacement)

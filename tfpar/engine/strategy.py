@@ -3,8 +3,9 @@
 import contextlib
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib
 
+from tfpar._compat import distribute
+from tfpar._compat.tf_modules import distribute_lib
 from tfpar import keras_hooks
 from tfpar import mesh as mesh_lib
 from tfpar.engine import extended as extended_lib
@@ -88,7 +89,7 @@ class MeshStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
   @property
   def cluster_resolver(self):
-    return self.extended._cluster_resolver  # pylint: disable=protected-access
+    return distribute.cluster_resolver(self.extended)
 
   def __repr__(self):
     return f"{type(self).__name__}({self.mesh!r})"

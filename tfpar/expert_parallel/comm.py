@@ -14,8 +14,8 @@ device sends to other devices.
 """
 
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops
 
+from tfpar._compat import distribute
 from tfpar.tensor_parallel import instrument
 
 ALL_TO_ALL = "all-to-all"
@@ -31,11 +31,7 @@ def _sent_bytes(chunks):
 
 
 def _exchange(chunks, launcher):
-  instance_key = launcher._next_instance_key()  # pylint: disable=protected-access
-  with tf.device(launcher._device):  # pylint: disable=protected-access
-    received = collective_ops.all_to_all_v2(
-        chunks, launcher._group_size, launcher._group_key, instance_key,  # pylint: disable=protected-access
-        ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+  received = distribute.all_to_all(launcher, chunks)
   return tf.reshape(received, tf.shape(chunks))
 
 
@@ -52,7 +48,7 @@ def all_to_all(chunks, launcher, layer):
   Returns:
     A tensor shaped like `chunks` whose chunk i came from member i.
   """
-  if launcher._group_size == 1:  # pylint: disable=protected-access
+  if distribute.group_size(launcher) == 1:
     return chunks
 
   @tf.custom_gradient
@@ -77,7 +73,7 @@ def sum_over_expert_data_group(values, launcher, name):
     launcher: this replica's expert-data launcher (`Launchers.expert_data`).
     name: for the log.
   """
-  count = launcher._group_size  # pylint: disable=protected-access
+  count = distribute.group_size(launcher)
   if count == 1 or not values:
     return list(values)
   flat = tf.concat([tf.reshape(v, [-1]) for v in values], 0)
@@ -104,7 +100,7 @@ def sum_over_replicas(value, launcher, layer):
       (`Launchers.everyone`).
     layer: for the log.
   """
-  count = launcher._group_size  # pylint: disable=protected-access
+  count = distribute.group_size(launcher)
   if count == 1:
     return value
 

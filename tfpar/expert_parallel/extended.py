@@ -4,6 +4,8 @@ scope over expert groups of data replicas (see `groups.py`)."""
 import numpy as np
 import tensorflow as tf
 
+from tfpar._compat import distribute
+from tfpar._compat import keras_hub_names
 from tfpar.engine import extended as engine_extended
 from tfpar.expert_parallel import families
 from tfpar.expert_parallel import groups as groups_lib
@@ -38,12 +40,12 @@ class MoEContext:
       heads = [group[0] for group in extended.mesh.replicas]
       self._launchers = groups_lib.Launchers(
           self.groups, heads, extended.local_replica_ids(),
-          extended._communication_options)  # pylint: disable=protected-access
+          distribute.communication_options(extended))
     return self._launchers
 
   def replica_id(self):
     """This strategy's replica id in a replica context, else None."""
-    strategy = self._extended._container_strategy()  # pylint: disable=protected-access
+    strategy = distribute.container_strategy(self._extended)
     context = tf.distribute.get_replica_context()
     if (context is None or not tf.distribute.has_strategy() or
         tf.distribute.get_strategy() is not strategy):
@@ -192,7 +194,7 @@ def check_block(block, expert):
 
 def check_layout(block, family):
   """Raises if keras-hub moved the weights tfpar reads (an upgrade)."""
-  wanted = [("block", block, "_sparse_feedforward_gate_dense"),
+  wanted = [("block", block, keras_hub_names.MOE_ROUTER),
             ("block", block, "expert_bank")]
   bank = getattr(block, "expert_bank", None)
   wanted += [("expert bank", bank, name)

@@ -12,6 +12,9 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tfpar._compat import keras_hub_names
+from tfpar._compat import keras_layers
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -72,15 +75,12 @@ def _qwen_shared_expert(block, x):
 
 FAMILIES = (
     Family("MixtralSparseMoeBlock",
-           ("_expert_feedforward_gate_dense",
-            "_expert_feedforward_intermediate_dense",
-            "_expert_feedforward_output_dense"),
+           keras_hub_names.MIXTRAL_EXPERT_WEIGHTS,
            _mixtral_experts, normalize=lambda block: True,
            aux_coefficient="router_aux_loss_coef", flat_mask=_mixtral_mask,
            jitter="router_jitter_noise"),
     Family("QwenSparseMoeBlock",
-           ("_expert_feedforward_gate_dense",
-            "_expert_feedforward_output_dense"),
+           keras_hub_names.QWEN_MOE_EXPERT_WEIGHTS,
            _qwen_experts, normalize=lambda block: bool(block.norm_top_k_prob),
            aux_coefficient="router_aux_loss_coefficient",
            flat_mask=_qwen_mask, extra=_qwen_shared_expert),
@@ -107,7 +107,7 @@ def family_of(layer):
 def moe_blocks(model):
   """[(block, family)] of every MoE block in `model`, in layer order."""
   found = []
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+  for layer in keras_layers.flatten_layers(model, include_self=False):
     family = family_of(layer)
     if family is not None:
       found.append((layer, family))

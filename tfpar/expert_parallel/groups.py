@@ -18,10 +18,10 @@ one copy per replica, gradients summed over all replicas.
 import dataclasses
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_utils
-from tensorflow.python.distribute import collective_util
 
 from tfpar import engine
+from tfpar._compat.tf_modules import collective_util
+from tfpar._compat.tf_modules import cross_device_utils
 
 
 def check_expert_size(expert, data):

@@ -9,6 +9,7 @@
 
 import tensorflow as tf
 
+from tfpar._compat import keras_optimizers
 from tfpar.engine import whole_state
 from tfpar.expert_parallel import comm
 from tfpar.expert_parallel import variables as variables_lib
@@ -24,7 +25,7 @@ def adopt(optimizer, context):
   """
   if getattr(optimizer, "_tfpar_experts_adopted", False):
     return
-  original = optimizer._all_reduce_sum_gradients  # pylint: disable=protected-access
+  original = keras_optimizers.all_reduce_sum_gradients(optimizer)
 
   def all_reduce_sum_gradients(grads_and_vars):
     pairs = list(grads_and_vars)
@@ -42,8 +43,8 @@ def adopt(optimizer, context):
     return [(next(summed), v) if i in chosen else next(reduced_others)
             for i, (_, v) in enumerate(pairs)]
 
-  object.__setattr__(optimizer, "_all_reduce_sum_gradients",
-                     all_reduce_sum_gradients)
+  keras_optimizers.replace_all_reduce_sum_gradients(
+      optimizer, all_reduce_sum_gradients)
   _install_whole_slot_saving(optimizer, context)
   _checkpoint_whole_slots_once_built(optimizer, context)
   object.__setattr__(optimizer, "_tfpar_experts_adopted", True)

@@ -16,6 +16,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpar._compat import checkpointing
+from tfpar._compat import keras_layers
 from tfpar.memory import components
 from tfpar.tensor_parallel import variables as tp_variables
 
@@ -106,7 +108,7 @@ def split_expert_weight(variable, ranks, expert):
     local = keras.Variable(pieces[ranks[0]], dtype=variable.dtype,
                            trainable=variable.trainable,
                            name=f"{variable.name}_experts")
-    local._path = f"{variable.path}_experts"  # pylint: disable=protected-access
+    keras_layers.set_path(local, f"{variable.path}_experts")
     parts = components(local)
     if len(parts) != len(ranks):
       raise ValueError(
@@ -153,8 +155,8 @@ def checkpoint_whole(variable, ranks, expert):
     return tf.group([component.assign(pieces[rank]) for rank, component
                      in zip(ranks, components(variable))])
 
-  object.__setattr__(variable, "_serialize_to_tensors", serialize_to_tensors)
-  object.__setattr__(variable, "_restore_from_tensors", restore_from_tensors)
+  checkpointing.override_saved_tensors(variable, serialize_to_tensors,
+                                       restore_from_tensors)
 
 
 def replace(owner, variable, weight):
@@ -162,7 +164,7 @@ def replace(owner, variable, weight):
   lists and attributes, and `weight` in its logical order (whole weights
   for `tfpar.logical_weights` and `save_weights`)."""
   tp_variables.record_logical_weight(owner, variable, weight)
-  for store in (owner._trainable_variables, owner._non_trainable_variables):  # pylint: disable=protected-access
+  for store in keras_layers.variable_lists(owner):
     for position, item in enumerate(store):
       if item is variable:
         store[position] = weight.variable

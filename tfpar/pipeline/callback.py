@@ -4,8 +4,8 @@ import os
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
 
+from tfpar._compat.tf_modules import summary_pb2
 from tfpar.pipeline import render
 from tfpar.pipeline import trace as trace_lib
 

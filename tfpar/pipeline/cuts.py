@@ -19,15 +19,10 @@ import math
 import keras
 import numpy as np
 
+from tfpar._compat import keras_layers
 
-def ordered_nodes(graph):
-  """The graph's layer calls (not its inputs), in an order that computes
-  every tensor before it is used."""
-  nodes = []
-  for depth in sorted(graph._nodes_by_depth, reverse=True):  # pylint: disable=protected-access
-    nodes.extend(n for n in graph._nodes_by_depth[depth]  # pylint: disable=protected-access
-                 if not n.is_input)
-  return nodes
+
+ordered_nodes = keras_layers.ordered_nodes
 
 
 def _input_derived(graph, nodes):

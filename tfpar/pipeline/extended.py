@@ -16,6 +16,7 @@ import numpy as np
 
 from tfpar import batches
 from tfpar import keras_hooks
+from tfpar._compat import keras_layers
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.pipeline import executor
@@ -118,7 +119,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
       shared = {id(l) for l in stage.shared}  # Owned by an earlier stage.
       for layer in stage.layers:
         if isinstance(layer, keras.layers.Layer) and id(layer) not in shared:
-          for sub in layer._flatten_layers(include_self=True):  # pylint: disable=protected-access
+          for sub in keras_layers.flatten_layers(layer, include_self=True):
             stage_of[id(sub)] = stage.index
     by_stage = {stage.index: [l for l in layer_layouts
                               if stage_of.get(id(l.layer)) == stage.index]

@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from tfpar._compat import keras_layers
 from tfpar.engine import spread
 
 
@@ -30,7 +31,7 @@ def place_stage_variables(strategy, plan, groups, columns_per_stage=1,
     column = index * columns_per_stage
     devices = tuple(group[column] for group in groups)
     specs = tuple(tf.DeviceSpec.from_string(d) for d in devices)
-    current = variable._value  # pylint: disable=protected-access
+    current = keras_layers.storage(variable)
     if _devices_of(current) == specs:
       continue
     value = tf.convert_to_tensor(current)
@@ -43,7 +44,7 @@ def place_stage_variables(strategy, plan, groups, columns_per_stage=1,
           name=current.name.split(":")[0],
           synchronization=current.synchronization,
           aggregation=current.aggregation)
-    variable._value = placed  # pylint: disable=protected-access
+    keras_layers.replace_storage(variable, placed)
 
 
 def _devices_of(distributed_variable):

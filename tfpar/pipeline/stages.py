@@ -28,12 +28,13 @@ import dataclasses
 import keras
 import numpy as np
 
+from tfpar._compat import keras_layers
 from tfpar.pipeline import cuts as cuts_lib
 
 # Re-exported for the planner, which estimates stages as plan_stages cuts.
 cut_points = cuts_lib.cut_points
 _ordered_nodes = cuts_lib.ordered_nodes
-_balanced_cuts = cuts_lib.balanced_cuts
+balanced_cuts = cuts_lib.balanced_cuts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +120,14 @@ class StagePlan:
 
 def functional_graph(model):
   """The Functional graph of a Sequential or Functional model, or raises."""
+  graph = keras_layers.functional_graph(model)
   if isinstance(model, keras.Sequential):
-    graph = getattr(model, "_functional", None)
     if graph is None:
       raise ValueError(
           f"Sequential model {model.name!r} has no known input shape, so it "
           f"cannot be cut into pipeline stages. Start it with keras.Input.")
     return graph
-  if isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth"):
+  if isinstance(model, keras.Model) and graph is model:
     return model
   raise ValueError(
       f"Model {model.name!r} ({type(model).__name__}) is not a chain of "
@@ -140,7 +141,7 @@ def _num_params(layer):
   return sum(int(np.prod(w.shape)) for w in getattr(layer, "weights", ()))
 
 
-def _layer_cost(layer, node):
+def layer_cost(layer, node):
   out_elements = sum(int(np.prod([d or 1 for d in t.shape[1:]]))
                      for t in node.outputs)
   params = _num_params(layer)
@@ -190,7 +191,7 @@ def plan_stages(model, num_stages, stages="auto"):
           f"has {len(cuts)} places where a single tensor (with model inputs "
           f"such as a padding mask) joins the layers before to the layers "
           f"after, and {num_stages} stages need {num_stages - 1}.")
-    costs = [_layer_cost(l, n) for l, n in zip(layers, nodes)]
+    costs = [layer_cost(l, n) for l, n in zip(layers, nodes)]
     # Elements moved, in float32 units: comparable with the costs.
     transfer = {i: cuts_lib.crossing_bytes(c) / 4 for i, c in cuts.items()}
     starts = cuts_lib.balanced_cuts(costs, cuts, num_stages, transfer)
@@ -258,7 +259,7 @@ def _build_plan(model, graph, nodes, layers, cuts, starts):
     stage_layers = _unique(layers[bounds[s]:bounds[s + 1]])
     shared = tuple(l for l in stage_layers if id(l) in owner)
     owner.update((id(l), s) for l in stage_layers if id(l) not in owner)
-    cost = sum(_layer_cost(n.operation, n) for n in stage_nodes)
+    cost = sum(layer_cost(n.operation, n) for n in stage_nodes)
     params = sum(_num_params(l) for l in stage_layers
                  if owner[id(l)] == s)
     outputs = boundary[s + 1]

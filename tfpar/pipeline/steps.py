@@ -16,11 +16,10 @@ They replace a cut model's steps and keep Keras's meaning exactly:
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as tf_trainer
-from keras.src.losses import loss as loss_module
-from keras.src.trainers import data_adapters
 
-_unpack = data_adapters.data_adapter_utils.unpack_x_y_sample_weight
+from tfpar._compat import keras_trainer
+from tfpar._compat.keras_modules import loss_module
+from tfpar._compat.keras_modules import unpack_x_y_sample_weight as _unpack
 _PER_SAMPLE_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
@@ -54,9 +53,9 @@ def concat(outputs):
 
 def check_model(model):
   """Raises if a model customizes the steps the pipeline replaces."""
-  keras_trainer = tf_trainer.TensorFlowTrainer
   for name in ("train_step", "test_step", "predict_step"):
-    if getattr(type(model), name) is not getattr(keras_trainer, name):
+    if getattr(type(model), name) is not getattr(
+        keras_trainer.TensorFlowTrainer, name):
       raise ValueError(
           f"Model {model.name!r} overrides {name}(); PipelineParallelStrategy "
           f"replaces Keras's own steps with pipelined ones and cannot "
@@ -114,9 +113,10 @@ class PipelinedSteps:
     model = self._model
 
     def loss_fn(k, y_pred):
-      if model._compile_loss is None:  # pylint: disable=protected-access
+      compiled = keras_trainer.compiled_loss(model)
+      if compiled is None:
         return tf.zeros(())
-      loss = model._compile_loss(ys[k], y_pred, sample_weights[k])  # pylint: disable=protected-access
+      loss = compiled(ys[k], y_pred, sample_weights[k])
       return tf.cast(loss, weights.dtype) * weights[k] * scale
     return loss_fn
 
@@ -124,7 +124,7 @@ class PipelinedSteps:
     model = self._model
 
     def extra_loss_fn(k, stage_model):
-      terms = [model._aggregate_additional_loss(l)  # pylint: disable=protected-access
+      terms = [keras_trainer.scaled_layer_loss(model, l)
                for l in stage_model.losses]
       if not terms:
         return tf.zeros((), weights.dtype)
@@ -132,7 +132,7 @@ class PipelinedSteps:
     return extra_loss_fn
 
   def _track_loss(self, loss, n):
-    self._model._loss_tracker.update_state(  # pylint: disable=protected-access
+    keras_trainer.loss_tracker(self._model).update_state(
         loss_module.unscale_loss_for_distribution(loss), sample_weight=n)
 
   def train_step(self, data):

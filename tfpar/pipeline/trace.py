@@ -16,6 +16,7 @@ import json
 import os
 import re
 
+from tfpar._compat import runtime
 from tfpar.pipeline import schedules
 
 _WORK = re.compile(r"tfpar_pipeline/stage(\d+)/microbatch(\d+)/"
@@ -23,7 +24,7 @@ _WORK = re.compile(r"tfpar_pipeline/stage(\d+)/microbatch(\d+)/"
 _REPLICA = re.compile(r"replica_(\d+)/")
 # Transfers wait for their peer (a receive's span is mostly waiting) and
 # NoOps only order: neither is a stage's work.
-_NOT_WORK = ("_Recv", "_Send", "_HostRecv", "_HostSend", "NoOp")
+_NOT_WORK = runtime.TRANSFER_OP_TYPES + ("NoOp",)
 
 TraceEvent = collections.namedtuple(
     "TraceEvent", ["replica", "stage", "microbatch", "phase", "start_us",

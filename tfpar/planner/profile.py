@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from tfpar._compat import keras_layers
+
 
 @dataclasses.dataclass(frozen=True)
 class StageLoad:
@@ -144,10 +146,7 @@ class KerasProfile:
     unknown = self.unknown_shapes
     self._inputs = sum(_elements(t.shape, unknown)
                        for t in keras.tree.flatten(graph.inputs))
-    nodes = []
-    for depth in sorted(graph._nodes_by_depth, reverse=True):  # pylint: disable=protected-access
-      nodes.extend(n for n in graph._nodes_by_depth[depth]  # pylint: disable=protected-access
-                   if not n.is_input)
+    nodes = keras_layers.ordered_nodes(graph)
     self._nodes = nodes
     for node in nodes:
       operation = node.operation
@@ -204,8 +203,8 @@ class KerasProfile:
     if len({id(l) for l in layers}) != len(layers):
       raise ValueError(f"model {self.name!r} calls a layer more than once, "
                        f"so it cannot be cut into pipeline stages.")
-    costs = [stages_lib._layer_cost(l, n) for l, n in zip(layers, nodes)]  # pylint: disable=protected-access
-    starts = stages_lib._balanced_cuts(costs, cuts, pipeline)  # pylint: disable=protected-access
+    costs = [stages_lib.layer_cost(l, n) for l, n in zip(layers, nodes)]
+    starts = stages_lib.balanced_cuts(costs, cuts, pipeline)
     bounds = [0] + list(starts) + [len(nodes)]
     found = []
     for s in range(pipeline):

@@ -2,6 +2,8 @@
 
 import keras
 
+from tfpar._compat import keras_attention
+from tfpar._compat import keras_layers
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import regions
@@ -16,12 +18,7 @@ def _is_attention(layer):
 
 def attention_parts(layer):
   """{role: EinsumDense} of a built MultiHeadAttention."""
-  parts = {"query": layer._query_dense, "key": layer._key_dense,  # pylint: disable=protected-access
-           "value": layer._value_dense, "output": layer._output_dense}  # pylint: disable=protected-access
-  gate = getattr(layer, "_gate_dense", None)
-  if gate is not None:
-    parts["gate"] = gate
-  return parts
+  return keras_attention.projections(layer)
 
 
 def _kernel(layer):
@@ -238,12 +235,12 @@ def resolve_layers(model, user, tensor_size, use_builtin=True):
   inside_attention = set()
   resolved = []
   projections = []
-  for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+  for layer in keras_layers.flatten_layers(model, include_self=False, recursive=True):
     if layer in inside_attention or not layer.built:
       continue
     family = families.family_of(layer)
     if _is_attention(layer) or family is not None:
-      inside_attention.update(layer._flatten_layers(include_self=False))  # pylint: disable=protected-access
+      inside_attention.update(keras_layers.flatten_layers(layer, include_self=False))
       resolved.extend(_resolve_attention(layer, family, user, tensor_size,
                                          use_builtin))
     elif _is_embedding(layer):

@@ -15,6 +15,8 @@ build), when a dataset is distributed and when a step runs.
 
 import tensorflow as tf
 
+from tfpar._compat import distribute
+from tfpar._compat import keras_layers
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.tensor_parallel import layers as layers_lib
@@ -76,7 +78,7 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     optimizer = getattr(model, "optimizer", None)
     already = tuple(
         layer._tfpar_layer_layout  # pylint: disable=protected-access
-        for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+        for layer in keras_layers.flatten_layers(model, include_self=False)
         if getattr(layer, "_tfpar_layer_layout", None) is not None)
     if already:  # Its layers belong to a model sharded before (Sequential,
       # or a keras-hub backbone inside a task model): weights of its own
@@ -138,7 +140,7 @@ def shard_layers(extended, layer_layouts, tensor_size, first_column=0,
   def shard_scope(index):
     return extended.variables_on_column(first_column + index)
 
-  with extended._container_strategy().scope():  # pylint: disable=protected-access
+  with distribute.container_strategy(extended).scope():
     for layout in layer_layouts:
       variables_lib.shard_layer(layout, tensor_size, shard_scope)
       layers_lib.install(layout, group, sequence_parallel)

@@ -17,6 +17,8 @@ from typing import Optional, Tuple
 
 import keras
 
+from tfpar._compat import keras_attention
+from tfpar._compat import keras_hub_names
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
 
@@ -72,8 +74,7 @@ class AttentionFamily:
     return local
 
 
-_MHA_PARTS = dict(query="_query_dense", key="_key_dense",
-                  value="_value_dense", output="_output_dense")
+_MHA_PARTS = keras_attention.PROJECTIONS
 _HUB_PARTS = _MHA_PARTS
 _HUB_GQA = dict(query_heads="num_query_heads",
                 key_value_heads="num_key_value_heads",
@@ -83,13 +84,11 @@ FAMILIES = (
     # Subclasses of keras.layers.MultiHeadAttention with a call of their own
     # (keras-hub's CachedMultiHeadAttention in GPT-2, BERT's encoder...).
     AttentionFamily("MultiHeadAttention", "keras.", **_MHA_PARTS,
-                    query_heads="_num_heads"),
+                    query_heads=keras_attention.QUERY_HEADS),
     AttentionFamily("LlamaAttention", "keras_hub.", **_HUB_PARTS, **_HUB_GQA),
     AttentionFamily("QwenAttention", "keras_hub.", **_HUB_PARTS, **_HUB_GQA),
     AttentionFamily("CachedMistralAttention", "keras_hub.", **_HUB_PARTS,
-                    query_heads="_num_query_heads",
-                    key_value_heads="_num_key_value_heads",
-                    groups="_num_key_value_groups"),
+                    **keras_hub_names.MISTRAL_HEADS),
     AttentionFamily("CachedGemmaAttention", "keras_hub.",
                     query="query_dense", key="key_dense", value="value_dense",
                     output="output_dense", **_HUB_GQA,

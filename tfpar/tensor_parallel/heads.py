@@ -20,11 +20,11 @@ each device computes the one key/value head its query heads share, as
 Megatron and vLLM replicate them; their gradient is the sum over devices.
 """
 
-import inspect
-
 import keras
 import tensorflow as tf
 
+from tfpar._compat import keras_attention
+from tfpar._compat.keras_modules import backend
 from tfpar.tensor_parallel import builtin
 from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
@@ -33,8 +33,6 @@ from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
 
-_COMPUTES_CAUSAL_MASK = "use_causal_mask" in inspect.signature(
-    keras.layers.MultiHeadAttention._compute_attention).parameters  # pylint: disable=protected-access
 
 
 def _index_of_current_device(devices):
@@ -121,7 +119,7 @@ def replay(layout, group, sequence_parallel):
     for x in tensors:
       if id(x) not in copies:
         copies[id(x)] = layers_lib.spread(x, devices, layer.name)
-    mask = keras.src.backend.get_keras_mask(args[0]) if args else None
+    mask = backend.get_keras_mask(args[0]) if args else None
 
     partials = []
     for index, device in enumerate(devices):
@@ -156,7 +154,7 @@ def replay(layout, group, sequence_parallel):
                                 layers_lib.finisher(parts["output"]),
                                 sequence_parallel)
     if mask is not None:
-      keras.src.backend.set_keras_mask(output, mask)
+      backend.set_keras_mask(output, mask)
     return output
 
   return call
@@ -167,8 +165,7 @@ def multi_head_attention(layout, group, sequence_parallel):
   # Mirrors keras.layers.MultiHeadAttention.call, with the projections and
   # the attention of each head shard on its own device.
   layer = layout.layer
-  parts = builtin.attention_parts(layer)  # pylint: disable=protected-access
-  backend = keras.src.backend
+  parts = builtin.attention_parts(layer)
 
   def call(query, value, key=None, query_mask=None, value_mask=None,
            key_mask=None, attention_mask=None, return_attention_scores=False,
@@ -181,17 +178,14 @@ def multi_head_attention(layout, group, sequence_parallel):
     # Keras >= 3.13 lets _compute_attention apply a plain causal mask
     # itself (and has sliding windows); older Keras always needs the mask.
     causal_only = (
-        _COMPUTES_CAUSAL_MASK and
         use_causal_mask and query_mask is None and value_mask is None and
         key_mask is None and attention_mask is None and
-        getattr(layer, "_sliding_window", None) is None and
-        type(layer)._compute_attention is  # pylint: disable=protected-access
-        keras.layers.MultiHeadAttention._compute_attention)  # pylint: disable=protected-access
+        keras_attention.computes_plain_causal_mask(layer))
     if causal_only:
       attention_mask = None
     else:
-      attention_mask = layer._compute_attention_mask(  # pylint: disable=protected-access
-          query, value, query_mask=query_mask, value_mask=value_mask,
+      attention_mask = keras_attention.compute_attention_mask(
+          layer, query, value, query_mask=query_mask, value_mask=value_mask,
           key_mask=key_mask, attention_mask=attention_mask,
           use_causal_mask=use_causal_mask)
     extra = {"use_causal_mask": True} if causal_only else {}
@@ -211,8 +205,8 @@ def multi_head_attention(layout, group, sequence_parallel):
         projected = {
             role: layers_lib.project(parts[role], x, index, parts[role].equation)
             for role, x in (("query", q), ("key", k), ("value", v))}
-        output, attention_scores = layer._compute_attention(  # pylint: disable=protected-access
-            projected["query"], projected["key"], projected["value"], mask,
+        output, attention_scores = keras_attention.compute_attention(
+            layer, projected["query"], projected["key"], projected["value"], mask,
             training, return_attention_scores, **extra)
         if "gate" in parts:
           gate = layers_lib.project(parts["gate"], q, index, parts["gate"].equation)

@@ -15,6 +15,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfpar._compat import runtime
+
 _lock = threading.Lock()
 _active = []  # Open logs; replica threads share them.
 
@@ -89,7 +91,7 @@ def _is_live(tensor, graph_outputs, memo):
   for op in tensor.consumers():
     if live:
       break
-    live = op._is_stateful or any(  # pylint: disable=protected-access
+    live = runtime.op_is_stateful(op) or any(
         _is_live(o, graph_outputs, memo) for o in op.outputs)
   memo[key] = live
   return live

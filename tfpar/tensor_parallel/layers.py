@@ -12,9 +12,10 @@ import dataclasses
 
 import keras
 from keras import ops
-from keras.src.backend.common import tensor_attributes
 import tensorflow as tf
 
+from tfpar._compat import keras_layers
+from tfpar._compat.keras_modules import tensor_attributes
 from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import layouts
@@ -107,7 +108,7 @@ def _shard(weight, index):
 def project(layer, x, index, equation=None):
   """Shard `index` of a Dense (equation None) or EinsumDense projection,
   before any bias that is not split."""
-  kernel = _shard(layer._kernel, index)  # pylint: disable=protected-access
+  kernel = _shard(keras_layers.dense_kernel(layer), index)
   y = ops.matmul(x, kernel) if equation is None else ops.einsum(
       equation, x, kernel)
   if isinstance(layer.bias, variables_lib.ShardedWeight):
@@ -203,7 +204,7 @@ def _row(layout, group, sequence_parallel):
 
 def _vocab(layout, group, sequence_parallel):
   layer = layout.layer
-  rows = layer.input_dim // len(layer._embeddings.shards)  # pylint: disable=protected-access
+  rows = layer.input_dim // len(keras_layers.embeddings(layer).shards)
 
   reverse_call = _reverse(layer, group)
 
@@ -219,7 +220,7 @@ def _vocab(layout, group, sequence_parallel):
       def shard_fn(token_ids, index=index):
         local = token_ids - index * rows
         inside = ops.logical_and(local >= 0, local < rows)
-        looked_up = ops.take(layer._embeddings.shards[index],  # pylint: disable=protected-access
+        looked_up = ops.take(keras_layers.embeddings(layer).shards[index],
                              ops.where(inside, local, 0), axis=0)
         # Partial rows cross devices in the compute dtype (exact: only one
         # device's row is not zero).
@@ -244,7 +245,7 @@ def _reverse(layer, group):
     for index, device in enumerate(devices):
       def shard_fn(x, index=index):
         if tied:
-          kernel = ops.transpose(layer._embeddings.shards[index])  # pylint: disable=protected-access
+          kernel = ops.transpose(keras_layers.embeddings(layer).shards[index])
         else:
           kernel = layer.reverse_embeddings.shards[index]
         if layer.reverse_dtype is not None:

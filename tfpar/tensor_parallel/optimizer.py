@@ -9,17 +9,19 @@
 """
 
 import numpy as np
-from keras.src.optimizers import base_optimizer
 from keras import ops
 
-from tensorflow.python.trackable import data_structures
-
+from tfpar._compat import checkpointing
+from tfpar._compat import keras_layers
+from tfpar._compat import keras_optimizers
+from tfpar._compat.keras_modules import base_optimizer
+from tfpar._compat.tf_modules import data_structures
 from tfpar.engine import whole_state
 from tfpar.tensor_parallel.variables import LogicalTensor
 from tfpar.tensor_parallel.variables import sharded_weights
 
 
-def _logical_entries(items, weights, slots=None):
+def logical_entries(items, weights, slots=None):
   """`items` (optimizer variables, or the model variables it tracks) in the
   order an unsharded model's optimizer has them: the shards of a weight
   become the whole weight, the per-shard slots of a weight one whole slot.
@@ -84,7 +86,7 @@ def rebuild_for_shards(model):
   new = type(old).from_config(old.get_config())
   adopt(new, model)
   new.build(model.trainable_variables)
-  entries = _logical_entries(new.variables, sharded_weights(model))
+  entries = logical_entries(new.variables, sharded_weights(model))
   if len(entries) != len(state):
     raise ValueError(
         f"Cannot carry the state of optimizer {old.name!r} over to the "
@@ -96,14 +98,14 @@ def rebuild_for_shards(model):
 
 
 def _install_logical_saving(optimizer, model):
-  whole_state.save_whole_state(optimizer, lambda: _logical_entries(
+  whole_state.save_whole_state(optimizer, lambda: logical_entries(
       optimizer.variables, sharded_weights(model)))
 
 
 def _install_logical_checkpoint(optimizer, model):
   """tf.train.Checkpoint sees the optimizer's variable lists as an unsharded
   model's optimizer has them (whole weights, whole slots)."""
-  original_children = optimizer._trackable_children  # pylint: disable=protected-access
+  original_children = checkpointing.trackable_children(optimizer)
   cache = {}  # Checkpointing needs the same objects on every call.
 
   def logical_lists(children):
@@ -118,7 +120,7 @@ def _install_logical_checkpoint(optimizer, model):
       slots = {}
       for name, child in children.items():
         if isinstance(child, list):
-          entries = _logical_entries(child, weights, slots)
+          entries = logical_entries(child, weights, slots)
           if any(isinstance(e, LogicalTensor) for e in entries):
             cache["lists"][name] = data_structures.ListWrapper(entries)
     return cache["lists"]
@@ -129,13 +131,7 @@ def _install_logical_checkpoint(optimizer, model):
       children.update(logical_lists(children))
     return children
 
-  def lookup_dependency(name, cached_dependencies=None):
-    if cached_dependencies and name in cached_dependencies:
-      return cached_dependencies[name]
-    return trackable_children().get(name)
-
-  object.__setattr__(optimizer, "_trackable_children", trackable_children)
-  object.__setattr__(optimizer, "_lookup_dependency", lookup_dependency)
+  checkpointing.override_children(optimizer, trackable_children)
 
 
 def _shard_groups(model):
@@ -143,18 +139,15 @@ def _shard_groups(model):
   groups = {}
   for weight in sharded_weights(model).values():
     for shard in weight.shards:
-      groups[id(shard._value)] = weight.path  # pylint: disable=protected-access
+      groups[id(keras_layers.storage(shard))] = weight.path
   return groups
 
 
 def _install_logical_clipping(optimizer, model):
-  original_all_reduce = optimizer._all_reduce_sum_gradients  # pylint: disable=protected-access
+  original_all_reduce = keras_optimizers.all_reduce_sum_gradients(optimizer)
   if not (optimizer.clipnorm or optimizer.global_clipnorm or
           optimizer.clipvalue):
     return
-
-  def clip_gradients(grads):
-    return grads  # Clipped after the all-reduce instead.
 
   def all_reduce_then_clip(grads_and_vars):
     pairs = list(original_all_reduce(grads_and_vars))
@@ -177,9 +170,7 @@ def _install_logical_clipping(optimizer, model):
       grads = [None if g is None else ops.clip(g, -v, v) for g in grads]
     return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
-  object.__setattr__(optimizer, "_clip_gradients", clip_gradients)
-  object.__setattr__(optimizer, "_all_reduce_sum_gradients",
-                     all_reduce_then_clip)
+  keras_optimizers.clip_after_all_reduce(optimizer, all_reduce_then_clip)
 
 
 def clip_by_norm_of(grad, square_sum, clipnorm):

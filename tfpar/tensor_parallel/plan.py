@@ -2,6 +2,7 @@
 
 import re
 
+from tfpar._compat import keras_layers
 from tfpar.tensor_parallel import builtin
 from tfpar.tensor_parallel import coverage as coverage_lib
 from tfpar.tensor_parallel import layouts
@@ -174,9 +175,8 @@ class ShardingPlan:
 
 def _owner_class(model, path):
   """'layer name (class)' of the layer that owns the variable at `path`."""
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-    if any(v.path == path for v in layer._trainable_variables +  # pylint: disable=protected-access
-           layer._non_trainable_variables):  # pylint: disable=protected-access
+  for layer in keras_layers.flatten_layers(model, include_self=False):
+    if any(v.path == path for v in keras_layers.own_variables(layer)):
       return f"layer {layer.name!r} ({type(layer).__name__})"
   return "an unknown layer"
 

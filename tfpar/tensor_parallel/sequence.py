@@ -9,10 +9,11 @@ The activations of those regions take 1/tensor of the memory per device.
 """
 
 import keras
-from keras.src import ops as keras_ops
-from keras.src import tree
 import tensorflow as tf
 
+from tfpar._compat import keras_layers
+from tfpar._compat.keras_modules import keras_ops
+from tfpar._compat.keras_modules import tree
 from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import layers as layers_lib
@@ -61,19 +62,14 @@ def install(model, group):
     model: a functional (or Sequential) Keras model.
     group: a function returning the current replica's devices.
   """
-  graph_model = getattr(model, "_functional", None) or model
-  original = getattr(graph_model, "_run_through_graph", None)
-  if original is None or getattr(graph_model, "_tfpar_sequence", False):
+  if getattr(model, "_tfpar_sequence", False):
     return
 
-  def run_through_graph(inputs, operation_fn=lambda op: op, call_fn=None):
-    def sliced_operation_fn(operation):
-      call = operation_fn(operation)
-      if not _is_position_wise(operation):
-        return call
-      return lambda *args, **kwargs: _run_in_slices(
-          operation, call, group, args, kwargs)
-    return original(inputs, sliced_operation_fn, call_fn)
+  def sliced(operation, call):
+    if not _is_position_wise(operation):
+      return call
+    return lambda *args, **kwargs: _run_in_slices(
+        operation, call, group, args, kwargs)
 
-  object.__setattr__(graph_model, "_run_through_graph", run_through_graph)
-  object.__setattr__(graph_model, "_tfpar_sequence", True)
+  if keras_layers.wrap_graph_calls(model, sliced):
+    object.__setattr__(model, "_tfpar_sequence", True)

@@ -4,7 +4,9 @@ and saving them as whole logical tensors."""
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.trackable import base as trackable_base
+
+from tfpar._compat import keras_layers
+from tfpar._compat.tf_modules import trackable_base
 
 # The checkpoint key of a variable's value; a whole logical tensor saved
 # under it restores into an unsharded variable and back.
@@ -102,8 +104,8 @@ class ShardedWeight(LogicalTensor):
 def _owners(layer):
   """{variable path: (owning layer, variable)} inside `layer`."""
   owners = {}
-  for sub in layer._flatten_layers(include_self=True):  # pylint: disable=protected-access
-    for variable in sub._trainable_variables + sub._non_trainable_variables:  # pylint: disable=protected-access
+  for sub in keras_layers.flatten_layers(layer, include_self=True):
+    for variable in keras_layers.own_variables(sub):
       owners[variable.path] = (sub, variable)
   return owners
 
@@ -136,7 +138,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
         shard = keras.Variable(piece, dtype=variable.dtype,
                                trainable=variable.trainable,
                                name=f"{variable.name}_shard{index}")
-      shard._path = f"{variable.path}_shard{index}"  # pylint: disable=protected-access
+      keras_layers.set_path(shard, f"{variable.path}_shard{index}")
       shards.append(shard)
     weight = ShardedWeight(variable_layout, shards)
     _replace(owner, variable, weight)
@@ -148,7 +150,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
 
 def _release_spread(variable):
   """Frees the creation-time slices of a weight now held as shards."""
-  storage = getattr(variable, "_value", None)
+  storage = keras_layers.storage(variable)
   if hasattr(storage, "release"):
     storage.release()
 
@@ -158,7 +160,7 @@ def record_logical_weight(owner, variable, weight):
   logical order, the order `tfpar.logical_weights` and saving follow."""
   order = getattr(owner, "_tfpar_logical_order", None)
   if order is None:
-    order = list(owner._trainable_variables + owner._non_trainable_variables)  # pylint: disable=protected-access
+    order = keras_layers.own_variables(owner)
     object.__setattr__(owner, "_tfpar_logical_order", order)
   order[[i for i, v in enumerate(order) if v is variable][0]] = weight
 
@@ -167,7 +169,7 @@ def _replace(owner, variable, weight):
   """Puts `weight`'s shards where `variable` was in `owner`'s variable lists
   and `weight` where `variable` was among its attributes."""
   record_logical_weight(owner, variable, weight)
-  for store in (owner._trainable_variables, owner._non_trainable_variables):  # pylint: disable=protected-access
+  for store in keras_layers.variable_lists(owner):
     for position, item in enumerate(store):
       if item is variable:
         store[position:position + 1] = list(weight.shards)
@@ -177,7 +179,7 @@ def _replace(owner, variable, weight):
       object.__setattr__(owner, attribute, weight)
       # tf.train.Checkpoint follows tracked attributes: save the whole
       # weight where the variable was (and let the variable go).
-      owner._track_trackable(weight, name=attribute, overwrite=True)  # pylint: disable=protected-access
+      keras_layers.track(owner, weight, attribute)
 
 
 def install_logical_saving(owner):
@@ -207,7 +209,7 @@ def install_logical_saving(owner):
 def sharded_weights(model):
   """Every `ShardedWeight` of a sharded model, by logical path."""
   found = {}
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in keras_layers.flatten_layers(model, include_self=True):
     for item in getattr(layer, "_tfpar_logical_order", ()):
       if isinstance(item, ShardedWeight):
         found[item.path] = item
@@ -232,10 +234,10 @@ def logical_weights(model):
   ['net/out/bias', 'net/out/kernel']
   """
   result = {}
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in keras_layers.flatten_layers(model, include_self=True):
     order = getattr(layer, "_tfpar_logical_order", None)
     items = order if order is not None else (
-        layer._trainable_variables + layer._non_trainable_variables)  # pylint: disable=protected-access
+        keras_layers.own_variables(layer))
     for item in items:
       result[item.path] = np.asarray(item.numpy())
   return result
@@ -243,9 +245,9 @@ def logical_weights(model):
 
 def logical_weights_paths(model):
   """(path, full shape) of every logical weight of `model`, in order."""
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in keras_layers.flatten_layers(model, include_self=True):
     order = getattr(layer, "_tfpar_logical_order", None)
     items = order if order is not None else (
-        layer._trainable_variables + layer._non_trainable_variables)  # pylint: disable=protected-access
+        keras_layers.own_variables(layer))
     for item in items:
       yield item.path, tuple(item.shape)

@@ -10,6 +10,8 @@ whole weights, in exactly the count, order and shapes one device has.
 
 import numpy as np
 
+from tfpar._compat import keras_layers
+
 
 def whole(variables):
   """`variables` with each group of shards replaced by its whole
@@ -57,7 +59,7 @@ def install(model):
   Args:
     model: a model whose layers were split (`shard_layers`).
   """
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in keras_layers.flatten_layers(model, include_self=True):
     if any(hasattr(w, "_tfpar_shard_of") for w in layer.weights):
       object.__setattr__(layer, "get_weights", _get_weights(layer))
       object.__setattr__(layer, "set_weights", _set_weights(layer))

@@ -110,9 +110,8 @@ def mesh_shape(topology, axis_sizes):
   hosts, per_host = topology.num_tasks, topology.num_tpus_per_task
   per_chip = int(topology.mesh_shape[-1])
   try:
-    # pylint: disable-next=protected-access
-    shape = mesh_lib._resolve_sizes(axis_sizes, hosts * per_host)
-  except mesh_lib._SizeMismatch as e:  # pylint: disable=protected-access
+    shape = mesh_lib.resolve_sizes(axis_sizes, hosts * per_host)
+  except mesh_lib.SizeMismatch as e:
     raise ValueError(
         f"{e} The TPU slice has {hosts} host(s) x {per_host} core(s) = "
         f"{hosts * per_host} cores (mesh_shape="

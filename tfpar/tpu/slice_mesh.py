@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import mesh as mesh_lib
+from tfpar._compat import runtime
 from tfpar.tpu import assignment as assignment_lib
 
 
@@ -69,7 +70,7 @@ def initialize_topology(resolver=None):
   <tensorflow.python.tpu.topology.Topology object at ...>
   """
   # Set by the public `set_tpu_topology`, which initialize_tpu_system calls.
-  proto = getattr(resolver, "_tpu_topology", None)
+  proto = runtime.tpu_topology_proto(resolver)
   if proto is not None and proto.device_coordinates:
     return tf.tpu.experimental.Topology(serialized=proto.SerializeToString())
   if resolver is not None and resolver.master():
@@ -151,7 +152,7 @@ def tpu_strategy(mesh, resolver=None):
   ...     resolver, tensor=2)
   >>> strategy = tpu_strategy(mesh)  # doctest: +SKIP
   """
-  layout = mesh._tpu  # pylint: disable=protected-access
+  layout = mesh.tpu_layout
   if layout is None:
     raise ValueError(
         "tpu_strategy needs a TPU mesh, built by tfpar.Mesh."
@@ -193,7 +194,7 @@ def describe(mesh):
   if assignment is None:
     raise ValueError(f"describe needs a TPU mesh. Received: mesh={mesh!r}")
   topology, tensor = assignment.topology, mesh.shape["tensor"]
-  job = mesh._tpu.job  # pylint: disable=protected-access
+  job = mesh.tpu_layout.job
   lines = [repr(mesh),
            f"TPU mesh_shape={topology.mesh_shape.tolist()}: "
            f"{topology.num_tasks} host(s) x {topology.num_tpus_per_task} "

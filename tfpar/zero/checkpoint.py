@@ -50,7 +50,7 @@ def _entries(optimizer, model):
              for v, reference in sharded_optimizer.logical_entries(optimizer)]
   weights = sharded_weights(model)
   if weights:  # Tensor parallelism too: shards' slots become whole slots.
-    entries = tensor_parallel_optimizer._logical_entries(entries, weights)  # pylint: disable=protected-access
+    entries = tensor_parallel_optimizer.logical_entries(entries, weights)
   return entries
 
 

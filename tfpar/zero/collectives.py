@@ -19,11 +19,10 @@ per weight and step.
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import cross_device_utils
-from tensorflow.python.ops import collective_ops
 
 from tfpar import engine
+from tfpar._compat import distribute
+from tfpar._compat.tf_modules import cross_device_utils
 from tfpar.tensor_parallel import instrument
 
 OPTIMIZER = "optimizer"  # Phase of the collectives of the update step.
@@ -35,17 +34,15 @@ def _strategy_ops(strategy, column):
   """The strategy's own `CollectiveAllReduce` for `column`."""
   extended = strategy.extended
   if column:  # Shard `column` of a tensor-parallel weight.
-    return extended._column_cross_device_ops(column)  # pylint: disable=protected-access
-  for name in ("_collective_ops", "_cross_device_ops",
-               "_inferred_cross_device_ops"):
-    ops = getattr(extended, name, None)
-    if isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
-      return ops
+    return extended.column_cross_device_ops(column)
+  ops = distribute.strategy_collective_ops(extended)
+  if ops is not None:
+    return ops
   raise ValueError(
       f"tfpar.ZeRO needs a strategy that runs collective ops "
       f"(MirroredStrategy, MultiWorkerMirroredStrategy or a tfpar "
       f"strategy); {type(strategy).__name__} uses "
-      f"{type(getattr(extended, '_cross_device_ops', None)).__name__}.")
+      f"{distribute.cross_device_ops_name(extended)}.")
 
 
 # ZeRO's collectives run in groups of their own, over the strategy's devices
@@ -63,34 +60,13 @@ def _launcher(context, column=None):
     ops = _strategy_ops(context.strategy, column)
     keys = cross_device_utils.CollectiveKeys(
         group_key_start=1 + engine.next_collective_key_base())
-    group = cross_device_ops_lib.CollectiveAllReduce(
-        devices=ops._devices, group_size=ops._group_size,  # pylint: disable=protected-access
-        options=ops._options, collective_keys=keys)  # pylint: disable=protected-access
-    if ops._group_size == len(ops._devices):  # pylint: disable=protected-access
-      for launcher in group._launchers:  # pylint: disable=protected-access
-        launcher._next_instance_key = _trace_time_key(launcher)  # pylint: disable=protected-access
+    group, all_local = distribute.regrouped(ops, keys)
+    if all_local:  # Keys fixed at trace time keep memory flat.
+      for launcher in distribute.launchers(group):
+        distribute.fix_instance_keys_at_trace_time(launcher)
     per_column[column] = group
-  return per_column[column]._launchers[context._replica_id]  # pylint: disable=protected-access
-
-
-def _trace_time_key(launcher):
-  """Instance keys fixed when the step is traced, for a group whose devices
-  are all in this process.
-
-  TensorFlow feeds each collective a new instance key at every call
-  (`capture_call_time_value`), because workers may retrace a function at
-  different times, and its runtime keeps a record per key for the life of
-  the process: about 300 bytes per key and device, every step. In one
-  process every replica is traced in the same trace, so keys fixed at
-  trace time agree, and each call of the traced step reuses them (one
-  call runs after another, as graph-mode TensorFlow ran its collectives).
-  """
-  def next_instance_key():
-    key = launcher._collective_keys.get_instance_key(  # pylint: disable=protected-access
-        launcher._group_key, launcher._device)  # pylint: disable=protected-access
-    with tf.device("CPU:0"):
-      return tf.constant(key, tf.int32)
-  return next_instance_key
+  return distribute.launchers(per_column[column])[
+      distribute.local_replica_index(context)]
 
 
 def all_gather(flat_slice, phase, name, column=None):
@@ -108,7 +84,7 @@ def all_gather(flat_slice, phase, name, column=None):
   count = context.num_replicas_in_sync
   instrument.record("all-gather", phase,
                     instrument.moved_bytes(flat_slice, count - 1), name)
-  return launcher._all_gather(flat_slice, None)  # pylint: disable=protected-access
+  return distribute.all_gather(launcher, flat_slice)
 
 
 def reduce_scatter(flat, phase, name, column=None):
@@ -121,11 +97,8 @@ def reduce_scatter(flat, phase, name, column=None):
   chunks = tf.reshape(flat, [count, -1])
   instrument.record("reduce-scatter", phase,
                     instrument.moved_bytes(chunks[0], count - 1), name)
-  instance_key = launcher._next_instance_key()  # pylint: disable=protected-access
-  with tf.device(launcher._device):  # pylint: disable=protected-access
-    received = collective_ops.all_to_all_v2(
-        chunks, launcher._group_size, launcher._group_key, instance_key,  # pylint: disable=protected-access
-        ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+  received = distribute.all_to_all(launcher, chunks)
+  with tf.device(distribute.launcher_device(launcher)):
     return tf.reduce_sum(tf.reshape(received, [count, -1]), axis=0)
 
 
@@ -179,12 +152,8 @@ def reduce_scatter_many(flats, phase, names, columns, bucket_bytes):
                         instrument.moved_bytes(chunk[0], count - 1), names[i])
     launcher = _launcher(context, columns[group[0]])
     joined = tf.concat(chunks, axis=1) if len(chunks) > 1 else chunks[0]
-    instance_key = launcher._next_instance_key()  # pylint: disable=protected-access
-    with tf.device(launcher._device):  # pylint: disable=protected-access
-      received = collective_ops.all_to_all_v2(
-          joined, launcher._group_size,  # pylint: disable=protected-access
-          launcher._group_key, instance_key,  # pylint: disable=protected-access
-          ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+    received = distribute.all_to_all(launcher, joined)
+    with tf.device(distribute.launcher_device(launcher)):
       summed = tf.reduce_sum(tf.reshape(received, [count, -1]), axis=0)
       pieces = tf.split(summed, [c.shape[1] for c in chunks])
     for i, piece in zip(group, pieces):
@@ -211,8 +180,8 @@ def all_gather_many(pieces, phase, names, columns, bucket_bytes):
     launcher = _launcher(context, columns[group[0]])
     parts = [pieces[i] for i in group]
     joined = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-    gathered = launcher._all_gather(joined, None)  # pylint: disable=protected-access
-    with tf.device(launcher._device):  # pylint: disable=protected-access
+    gathered = distribute.all_gather(launcher, joined)
+    with tf.device(distribute.launcher_device(launcher)):
       per_replica = tf.split(tf.reshape(gathered, [count, -1]),
                              [p.shape[0] for p in parts], axis=1)
       for i, whole in zip(group, per_replica):

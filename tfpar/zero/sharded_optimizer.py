@@ -22,6 +22,8 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfpar._compat import distribute
+from tfpar._compat import keras_optimizers
 from tfpar.tensor_parallel.optimizer import clip_by_norm_of
 from tfpar.zero import collectives
 from tfpar.zero import sparse_gradients
@@ -83,7 +85,7 @@ class ZeroState:
         device_type="CPU", device_index=0).to_string() for d in devices]
 
   def column(self, weight):
-    column_of = getattr(self.strategy.extended, "_column_of", None)
+    column_of = getattr(self.strategy.extended, "column_of", None)
     return column_of(weight.value) if column_of else None
 
   def new_slice(self, reference, name, values, devices=None,
@@ -118,7 +120,7 @@ def check_shardable(optimizer, strategy):
         f"full-size state is never allocated; it is built already. Pass "
         f"the ZeRO callback to the first fit call of a freshly compiled "
         f"model.")
-  if getattr(optimizer, "_distribution_strategy", strategy) is not strategy:
+  if keras_optimizers.distribution_strategy(optimizer, strategy) is not strategy:
     raise ValueError(
         f"Optimizer {optimizer.name!r} was created outside the model's "
         f"strategy scope ({strategy!r}); create it (and compile the model) "
@@ -152,7 +154,7 @@ def shard(optimizer, state):
                                                 reference_variable.dtype)
     slot = state.new_slice(reference_variable, name or "var",
                            [value] * len(state.replica_ids))
-    optimizer._track_variable(slot)  # pylint: disable=protected-access
+    keras_optimizers.track_variable(optimizer, slot)
     state.slot_references[id(slot)] = reference_variable
     return slot
 
@@ -166,21 +168,24 @@ def shard(optimizer, state):
           continue  # Stage 3: the weight is its own slice.
         proxy = state.new_slice(variable, "zero_slice",
                                 state.weight_slices(variable))
-        optimizer._track_variable(proxy)  # pylint: disable=protected-access
+        keras_optimizers.track_variable(optimizer, proxy)
         state.add_entry(variable, proxy)
       for entry in state.entries.values():
-        optimizer._trainable_variables_indices[  # pylint: disable=protected-access
-            optimizer._var_key(entry.slice)] = (  # pylint: disable=protected-access
-                optimizer._get_variable_index(entry.weight))  # pylint: disable=protected-access
+        keras_optimizers.share_variable_index(optimizer, entry.slice,
+                                              entry.weight)
 
   def apply_gradients(grads, trainable_variables):
     _apply_sharded(optimizer, state, list(grads), list(trainable_variables))
 
-  optimizer.__class__ = _with_sharded_update(type(optimizer))
+  def update_step(grads, trainable_variables):
+    _update(optimizer, state,
+            [state.entries[id(v)] for v in trainable_variables], grads)
+
+  keras_optimizers.with_update_step(optimizer, update_step)
   object.__setattr__(optimizer, "add_variable_from_reference",
                      add_variable_from_reference)
   object.__setattr__(optimizer, "build", build)
-  object.__setattr__(optimizer, "_backend_apply_gradients", apply_gradients)
+  keras_optimizers.replace_apply_gradients(optimizer, apply_gradients)
 
 
 def _apply_sharded(optimizer, state, grads, variables):
@@ -195,11 +200,12 @@ def _apply_sharded(optimizer, state, grads, variables):
     if state.stage != 3 and not _clips(optimizer):
       # Sparse gradients as MirroredStrategy applies them.
       reduce = lambda gs: _reduce_scattered(state, gs, entries, sparse=True)
-    optimizer._backend_update_step(  # pylint: disable=protected-access
-        reduce(grads), variables, optimizer.learning_rate)
+    keras_optimizers.update_step(optimizer, reduce(grads), variables,
+                                 optimizer.learning_rate)
     return
   accumulators = [slices.local_component(
-      optimizer._accumulated_gradients[optimizer._get_variable_index(v)])  # pylint: disable=protected-access
+      keras_optimizers.accumulated_gradients(optimizer)[
+          keras_optimizers.variable_index(optimizer, v)])
                   for v in variables]
   if state.stage != 1:
     grads = reduce(grads)
@@ -207,7 +213,8 @@ def _apply_sharded(optimizer, state, grads, variables):
 
   def update():
     totals = reduce([(g + a) / steps for g, a in zip(grads, accumulators)])
-    optimizer._backend_update_step(totals, variables, optimizer.learning_rate)  # pylint: disable=protected-access
+    keras_optimizers.update_step(optimizer, totals, variables,
+                                 optimizer.learning_rate)
     for accumulator in accumulators:
       accumulator.assign(tf.zeros_like(accumulator))
 
@@ -215,7 +222,8 @@ def _apply_sharded(optimizer, state, grads, variables):
     for grad, accumulator in zip(grads, accumulators):
       accumulator.assign_add(grad)
 
-  is_update_step = (optimizer._iterations + 1) % steps == 0  # pylint: disable=protected-access
+  is_update_step = (
+      keras_optimizers.iterations_variable(optimizer) + 1) % steps == 0
   tf.cond(is_update_step, update, accumulate)
 
 
@@ -247,52 +255,6 @@ def _clips(optimizer):
       optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue))
 
 
-class _ShardedUpdate(keras.optimizers.Optimizer):
-  """Comes right after the optimizer's own class in its method order, so
-  that what the class adds before the update (Nadam's momentum-schedule
-  product) still runs, and then the sharded update replaces the merge_call
-  based one of Keras's TensorFlow optimizer."""
-
-  def _backend_update_step(self, grads, trainable_variables, learning_rate):
-    state = self._tfpar_zero
-    _update(self, state, [state.entries[id(v)] for v in trainable_variables],
-            grads)
-
-  # A slice is a sync-on-read variable, which takes no scatter; an
-  # `IndexedSlices` update (SGD's on an embedding's slice) goes to the
-  # replica's own component, as one device scatters into its table. Only the
-  # variable gets this; slot variables keep scattering (Adam squares each
-  # repeated row on its own, as one device does).
-
-  def assign_add(self, variable, value):
-    super().assign_add(_scatter_target(variable, value), value)
-
-  def assign_sub(self, variable, value):
-    super().assign_sub(_scatter_target(variable, value), value)
-
-  def assign(self, variable, value):
-    super().assign(_scatter_target(variable, value), value)
-
-
-def _scatter_target(variable, value):
-  if isinstance(value, tf.IndexedSlices):
-    inner = getattr(variable, "value", None)  # A Keras variable's tf one.
-    if isinstance(inner, tf.distribute.DistributedValues):
-      return slices.local_component(variable)
-  return variable
-
-
-_classes = {}
-
-
-def _with_sharded_update(cls):
-  if cls not in _classes:
-    sharded = type(cls.__name__, (cls, _ShardedUpdate), {})
-    sharded.__module__, sharded.__qualname__ = cls.__module__, cls.__qualname__
-    _classes[cls] = sharded
-  return _classes[cls]
-
-
 def _update(optimizer, state, entries, grad_slices):
   """Clips, decays and updates each replica's slices; stages 1-2 then
   all-gather the slices into the weights."""
@@ -302,11 +264,12 @@ def _update(optimizer, state, entries, grad_slices):
   learning_rate = optimizer.learning_rate
   for entry, grad in zip(entries, grad_slices):
     weight, piece = entry.weight, entry.slice
-    with tf.device(entry.devices[context._replica_id]):  # pylint: disable=protected-access
+    with tf.device(entry.devices[distribute.local_replica_index(context)]):
       if state.stage != 3:
         piece.assign(slices.flat_slice(weight.value, replica, entry.size,
                                        state.replicas))
-      if optimizer.weight_decay and optimizer._use_weight_decay(weight):  # pylint: disable=protected-access
+      if optimizer.weight_decay and keras_optimizers.uses_weight_decay(
+          optimizer, weight):
         rate = tf.cast(learning_rate, piece.dtype)
         decay = tf.cast(optimizer.weight_decay, piece.dtype)
         piece.assign(piece - piece * decay * rate)

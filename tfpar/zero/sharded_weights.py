@@ -12,16 +12,17 @@ import inspect
 import threading
 
 import keras
-from keras.src.backend.common import variables as keras_variables
 import numpy as np
 import tensorflow as tf
 
+from tfpar._compat import keras_layers
+from tfpar._compat.keras_modules import keras_variables
 from tfpar.engine import spread
-from tfpar.zero import collectives
-from tfpar.zero import sparse_gradients
-from tfpar.zero import slices
-from tfpar.zero import spread_slices
 from tfpar.tensor_parallel import instrument
+from tfpar.zero import collectives
+from tfpar.zero import slices
+from tfpar.zero import sparse_gradients
+from tfpar.zero import spread_slices
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 _classes = {}
@@ -33,7 +34,7 @@ def _in_replica():
           not tf.distribute.in_cross_replica_context())
 
 
-class GatheredWeight:
+class GatheredWeight(keras_layers.WholeAssignment):
   """Mixin for a Keras variable whose storage is a ZeRO-3 slice variable."""
 
   def _tfpar_whole_tensor(self):
@@ -45,7 +46,7 @@ class GatheredWeight:
 
   def _tfpar_gathered(self):
     if not _in_replica():
-      return self._maybe_autocast(self._tfpar_whole_tensor())  # pylint: disable=protected-access
+      return keras_layers.autocast(self, self._tfpar_whole_tensor())
     count = tf.distribute.get_replica_context().num_replicas_in_sync
     length = slices.components(self)[0].shape[0] * count
     shape, elements, path = self.shape, self.shape.num_elements(), self.path
@@ -57,7 +58,7 @@ class GatheredWeight:
       # Under a mixed precision policy, in the layer's compute dtype, as a
       # Keras variable reads inside a layer: half the bytes of float32
       # (DeepSpeed gathers fp16 parameters the same way).
-      low = self._maybe_autocast(piece)  # pylint: disable=protected-access
+      low = keras_layers.autocast(self, piece)
       if low.dtype == tf.bfloat16:
         # CPU collectives take no bfloat16: move its bits as float16.
         whole = tf.bitcast(collectives.all_gather(
@@ -75,7 +76,7 @@ class GatheredWeight:
             slices.padded_flat(tf.cast(upstream, piece.dtype), length),
             instrument.BACKWARD, path, column)
       return tf.reshape(whole[:elements], shape), grad
-    return gather(tf.convert_to_tensor(self._value))
+    return gather(tf.convert_to_tensor(keras_layers.storage(self)))
 
   def _tfpar_whole_spread_tensor(self):
     """The whole weight when its slices are spread over workers."""
@@ -102,12 +103,12 @@ class GatheredWeight:
   def __array__(self, dtype=None):
     return np.asarray(self.numpy(), dtype=dtype)
 
-  def _direct_assign(self, value):
+  def assign_whole(self, value):
     if _in_replica():
       raise ValueError(
           f"Weight {self.path!r} is sharded by tfpar.ZeRO(stage=3); only "
           f"the optimizer updates it inside a training step.")
-    strategy = self._value.distribute_strategy  # pylint: disable=protected-access
+    strategy = keras_layers.storage(self).distribute_strategy
     slices.assign_whole(self, np.asarray(value),
                         strategy.num_replicas_in_sync,
                         slices.local_replica_ids(strategy))
@@ -117,7 +118,7 @@ class GatheredWeight:
     return {_VARIABLE_VALUE: self._tfpar_whole_tensor()}
 
   def _restore_from_tensors(self, restored_tensors):
-    self._direct_assign(restored_tensors[_VARIABLE_VALUE])
+    self.assign_whole(restored_tensors[_VARIABLE_VALUE])
 
 
 def _gathered_class(cls):
@@ -140,12 +141,12 @@ def shard(model, state):
       column = state.column(weight)
       devices = state.weight_devices(weight)
       values = state.weight_slices(weight)
-      created = weight._value  # pylint: disable=protected-access
+      created = keras_layers.storage(weight)
       if isinstance(created, spread.SpreadVariable):
         created.release()  # Its creation-time slices, once read.
       piece = state.new_slice(weight, "zero3", values, devices=devices,
                               trainable=True)
-      weight._value = piece._value  # pylint: disable=protected-access
+      keras_layers.replace_storage(weight, keras_layers.storage(piece))
       state.add_entry(weight, piece)
       weight._tfpar_zero_column = column  # pylint: disable=protected-access
       weight.__class__ = _gathered_class(type(weight))
@@ -187,9 +188,9 @@ def regather_in_backward(model):
   `tf.recompute_grad` would densify their sparse gradients (which ZeRO
   applies as MirroredStrategy does, `sparse_gradients`).
   """
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-    if (layer._trainable_variables and  # pylint: disable=protected-access
-        not getattr(layer, "_seed_generators", None) and
+  for layer in keras_layers.flatten_layers(model, include_self=False):
+    if (keras_layers.variable_lists(layer)[0] and
+        not keras_layers.seed_generators(layer) and
         not _is_lookup(layer)):
       layer.call = _recomputed(layer.call)
 

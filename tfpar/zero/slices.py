@@ -9,12 +9,13 @@ slice r; in a replica context it reads as that replica's slice.
 
 import math
 
-from keras.src import backend
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.ops import resource_variable_ops
 
+from tfpar._compat import distribute
+from tfpar._compat.keras_modules import backend
+from tfpar._compat.tf_modules import resource_variable_ops
+from tfpar._compat.tf_modules import values_lib
 from tfpar.memory import components
 from tfpar.zero import spread_slices
 
@@ -28,7 +29,7 @@ def local_replica_ids(strategy):
   """Global replica ids of this worker's replicas, in component order."""
   extended = strategy.extended
   local = len(extended.worker_devices)
-  first = getattr(extended, "_id_in_cluster", 0) * local
+  first = distribute.id_in_cluster(extended) * local
   return list(range(first, first + local))
 
 
@@ -80,7 +81,7 @@ def new_slice_variable(strategy, name, dtype, devices, values,
 
 def local_component(variable):
   """The calling replica's component (in a replica context)."""
-  return variable.value._get()  # pylint: disable=protected-access
+  return distribute.local_component(variable.value)
 
 
 def whole(slice_variable, shape):

@@ -17,6 +17,7 @@ import contextlib
 
 import tensorflow as tf
 
+from tfpar._compat import keras_layers
 from tfpar.memory import components
 from tfpar.zero import collectives
 
@@ -27,19 +28,19 @@ _prefetched = {}
 
 
 def _distributed(slice_variable):
-  return getattr(slice_variable, "_value", slice_variable)
+  return keras_layers.storage(slice_variable, slice_variable)
 
 
 def is_spread(slice_variable):
   """Whether some of the variable's slices live on other workers."""
-  strategy = _distributed(slice_variable)._distribute_strategy  # pylint: disable=protected-access
+  strategy = _distributed(slice_variable).distribute_strategy
   return len(components(slice_variable)) < strategy.num_replicas_in_sync
 
 
 def _gather(variables):
   """Every replica's slices of each variable, concatenated (NumPy)."""
   values = [_distributed(v) for v in variables]
-  strategy = values[0]._distribute_strategy  # pylint: disable=protected-access
+  strategy = values[0].distribute_strategy
   names = [v.name for v in variables]
 
   def gather_on_replica():

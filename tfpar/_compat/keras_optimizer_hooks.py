@@ -22,8 +22,9 @@ import functools
 import inspect
 
 import tensorflow as tf
-from keras.src.backend.tensorflow import optimizer as tf_optimizer
-from keras.src.optimizers import loss_scale_optimizer
+
+from tfpar._compat.keras_modules import loss_scale_optimizer
+from tfpar._compat.keras_modules import tf_optimizer
 
 _installed = set()
 

@@ -1,0 +1,153 @@
+"""Private state of `tf.distribute` strategies, replica contexts and
+collective launchers.
+
+TensorFlow has no public API to launch a collective from one replica on
+a group of its choosing (all-to-all, all-gather), to learn a replica's
+index among the local devices, or to reach a strategy's cross-device ops;
+tfpar's ZeRO and expert parallelism need all three. Every accessor checks
+what it reads (`Incompatible` otherwise).
+"""
+
+import tensorflow as tf
+
+from tfpar._compat.checks import require
+from tfpar._compat.tf_modules import collective_ops
+from tfpar._compat.tf_modules import cross_device_ops_lib
+from tfpar._compat.tf_modules import cross_device_utils
+from tfpar._compat.tf_modules import distribute_lib
+
+_LAUNCHER = cross_device_utils.CollectiveReplicaLauncher
+for _name in ("_all_gather", "_get_ordering_token", "_next_instance_key",
+              "all_reduce"):
+  require(_LAUNCHER, _name, "collectives launched by one replica")
+require(cross_device_ops_lib.CollectiveAllReduce, "_all_reduce",
+        "all-reduce without merge_call")
+require(distribute_lib.StrategyExtendedV2, "_container_strategy",
+        "the strategy of an extended")
+
+
+def group_size(launcher):
+  """Members of a `CollectiveReplicaLauncher`'s group."""
+  return require(launcher, "_group_size", "collective group size")
+
+
+def launcher_device(launcher):
+  """The device a launcher's collectives run on."""
+  return require(launcher, "_device", "collective device")
+
+
+def all_to_all(launcher, chunks):
+  """TensorFlow's all-to-all over a launcher's group: chunk j of `chunks`
+  (first dimension the group size) goes to member j; returns what each
+  member sent this one, in member order. CPU has no reduce-scatter
+  kernel, so ZeRO's reduce-scatter is built on this too."""
+  instance_key = launcher._next_instance_key()  # pylint: disable=protected-access
+  with tf.device(launcher_device(launcher)):
+    received = collective_ops.all_to_all_v2(
+        chunks, group_size(launcher),
+        require(launcher, "_group_key", "collective group key"),
+        instance_key, ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+  return received
+
+
+def all_gather(launcher, tensor):
+  """Every member's `tensor` concatenated along the first axis."""
+  return launcher._all_gather(tensor, None)  # pylint: disable=protected-access
+
+
+def fix_instance_keys_at_trace_time(launcher):
+  """Makes a launcher draw its instance keys once, when a step is traced.
+
+  TensorFlow feeds each collective a new instance key at every call
+  (`capture_call_time_value`), because workers may retrace a function at
+  different times, and its runtime keeps a record per key for the life of
+  the process: about 300 bytes per key and device, every step. In one
+  process every replica is traced in the same trace, so keys fixed at
+  trace time agree, and each call of the traced step reuses them (one
+  call runs after another, as graph-mode TensorFlow ran its collectives).
+  Only valid when every member of the group is in this process.
+  """
+  keys = require(launcher, "_collective_keys", "collective instance keys")
+  group_key = require(launcher, "_group_key", "collective group key")
+  device = launcher_device(launcher)
+
+  def next_instance_key():
+    key = keys.get_instance_key(group_key, device)
+    with tf.device("CPU:0"):
+      return tf.constant(key, tf.int32)
+  launcher._next_instance_key = next_instance_key  # pylint: disable=protected-access
+
+
+def strategy_collective_ops(extended):
+  """The `CollectiveAllReduce` a strategy's extended runs, or None."""
+  for name in ("_collective_ops", "_cross_device_ops",
+               "_inferred_cross_device_ops"):
+    ops = getattr(extended, name, None)
+    if isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+      return ops
+  return None
+
+
+def cross_device_ops_name(extended):
+  """The class name of a strategy's cross-device ops (for errors)."""
+  return type(getattr(extended, "_cross_device_ops", None)).__name__
+
+
+def regrouped(ops, collective_keys):
+  """A `CollectiveAllReduce` over the devices of `ops`, drawing keys from
+  `collective_keys`, and whether all its members are in this process."""
+  devices = require(ops, "_devices", "collective devices")
+  size = require(ops, "_group_size", "collective group size")
+  group = cross_device_ops_lib.CollectiveAllReduce(
+      devices=devices, group_size=size,
+      options=require(ops, "_options", "collective options"),
+      collective_keys=collective_keys)
+  return group, size == len(devices)
+
+
+def launchers(ops):
+  """A `CollectiveAllReduce`'s per-local-device launchers."""
+  return require(ops, "_launchers", "per-device collective launchers")
+
+
+def all_reduce(ops, reduce_op, values, replica_index, options):
+  """A `CollectiveAllReduce`'s all-reduce launched by one replica, without
+  merge_call."""
+  return ops._all_reduce(reduce_op, values, replica_index, options)  # pylint: disable=protected-access
+
+
+def local_replica_index(context):
+  """The index of a replica context's device among this worker's."""
+  return require(context, "_replica_id", "local replica index")
+
+
+def container_strategy(extended):
+  """The `tf.distribute.Strategy` a `StrategyExtended` belongs to."""
+  return extended._container_strategy()  # pylint: disable=protected-access
+
+
+def communication_options(extended):
+  """A strategy's default `CommunicationOptions`."""
+  return require(extended, "_communication_options",
+                 "communication options")
+
+
+def cluster_resolver(extended):
+  """The cluster resolver a strategy's extended was built from."""
+  return require(extended, "_cluster_resolver", "cluster resolver")
+
+
+def id_in_cluster(extended):
+  """This worker's index in a multi-worker strategy (0 on one host)."""
+  return getattr(extended, "_id_in_cluster", 0)
+
+
+def local_component(distributed):
+  """The calling replica's component of a distributed variable."""
+  return distributed._get()  # pylint: disable=protected-access
+
+
+def strategy_ordinal(strategy):
+  """Which multi-worker strategy of this process `strategy` is (TF gives
+  each a collective key base 100,000 apart), for messages."""
+  return getattr(strategy, "_collective_key_base", 0) // 100_000
