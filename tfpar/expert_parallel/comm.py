@@ -16,7 +16,7 @@ device sends to other devices.
 import tensorflow as tf
 
 from tfpar._compat import distribute
-from tfpar.tensor_parallel import instrument
+from tfpar.common import instrument
 
 ALL_TO_ALL = "all-to-all"
 ALL_REDUCE = "all-reduce"

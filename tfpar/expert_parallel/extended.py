@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import keras_hub_names
+from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.expert_parallel import families
 from tfpar.expert_parallel import groups as groups_lib
@@ -13,7 +14,6 @@ from tfpar.expert_parallel import layers
 from tfpar.expert_parallel import optimizer as optimizer_lib
 from tfpar.expert_parallel import variables as variables_lib
 from tfpar.memory import components
-from tfpar.tensor_parallel import whole_weights
 
 
 class MoEContext:

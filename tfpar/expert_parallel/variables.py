@@ -18,8 +18,8 @@ import tensorflow as tf
 
 from tfpar._compat import checkpointing
 from tfpar._compat import keras_layers
+from tfpar.common import split_weights
 from tfpar.memory import components
-from tfpar.tensor_parallel import variables as tp_variables
 
 
 class ExpertWeight:
@@ -119,7 +119,7 @@ def split_expert_weight(variable, ranks, expert):
   weight = ExpertWeight(variable.path, local, ranks, expert)
   checkpoint_whole(local, ranks, expert)
   # Keras's get_weights / set_weights speak whole weights
-  # (`tfpar.tensor_parallel.whole_weights`): the local variable is the one
+  # (`tfpar.common.whole_weights`): the local variable is the one
   # "shard" of its whole weight.
   local._tfpar_shard_of = (weight, 0)  # pylint: disable=protected-access
   return weight
@@ -163,7 +163,7 @@ def replace(owner, variable, weight):
   """Puts `weight.variable` where `variable` was in `owner`'s variable
   lists and attributes, and `weight` in its logical order (whole weights
   for `tfpar.logical_weights` and `save_weights`)."""
-  tp_variables.record_logical_weight(owner, variable, weight)
+  split_weights.record_logical_weight(owner, variable, weight)
   for store in keras_layers.variable_lists(owner):
     for position, item in enumerate(store):
       if item is variable:
@@ -173,4 +173,4 @@ def replace(owner, variable, weight):
       object.__setattr__(owner, attribute, weight.variable)
   # Saves and loads `owner`'s logical order (whole weights), as tensor
   # parallelism does for its shards.
-  tp_variables.install_logical_saving(owner)
+  split_weights.install_logical_saving(owner)

@@ -17,6 +17,7 @@ import numpy as np
 from tfpar import batches
 from tfpar import keras_hooks
 from tfpar._compat import keras_layers
+from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.pipeline import executor
@@ -25,7 +26,6 @@ from tfpar.pipeline import stages as stages_lib
 from tfpar.pipeline import steps as steps_lib
 from tfpar.tensor_parallel import extended as tensor_parallel_extended
 from tfpar.tensor_parallel import optimizer as tensor_parallel_optimizer
-from tfpar.tensor_parallel import whole_weights
 
 
 class PipelineParallelExtended(engine_extended.MeshExtended):

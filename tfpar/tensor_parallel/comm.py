@@ -13,7 +13,7 @@ is a reduce and that of a reduce a broadcast.
 
 import tensorflow as tf
 
-from tfpar.tensor_parallel import instrument
+from tfpar.common import instrument
 
 
 def _copies(values, devices):

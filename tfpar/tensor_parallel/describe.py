@@ -43,8 +43,8 @@ def describe(plan, model, strategy):
   multi = mesh.is_multi_worker
   stage_of = _stage_of_layer(model, strategy)
   rows = [("variable", "full shape", "style", "shard shape", "devices")]
-  from tfpar.tensor_parallel import variables as variables_lib  # pylint: disable=g-import-not-at-top
-  paths = list(variables_lib.logical_weights_paths(model))
+  from tfpar.common import split_weights  # pylint: disable=g-import-not-at-top
+  paths = list(split_weights.logical_weights_paths(model))
   for path, shape in paths:
     layout = by_path.get(path)
     first = stage_of.get(path.split("/")[0], 0) * tensor_size

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import keras_layers
+from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.tensor_parallel import layers as layers_lib
@@ -24,7 +25,6 @@ from tfpar.tensor_parallel import optimizer as optimizer_lib
 from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel import sequence as sequence_lib
 from tfpar.tensor_parallel import variables as variables_lib
-from tfpar.tensor_parallel import whole_weights
 
 
 class TensorParallelExtended(engine_extended.MeshExtended):

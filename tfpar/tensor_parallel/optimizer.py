@@ -16,47 +16,11 @@ from tfpar._compat import keras_layers
 from tfpar._compat import keras_optimizers
 from tfpar._compat.keras_modules import base_optimizer
 from tfpar._compat.tf_modules import data_structures
+from tfpar.common.clipping import clip_by_norm_of
+from tfpar.common.split_weights import logical_entries
+from tfpar.common.split_weights import LogicalTensor
+from tfpar.common.split_weights import sharded_weights
 from tfpar.engine import whole_state
-from tfpar.tensor_parallel.variables import LogicalTensor
-from tfpar.tensor_parallel.variables import sharded_weights
-
-
-def logical_entries(items, weights, slots=None):
-  """`items` (optimizer variables, or the model variables it tracks) in the
-  order an unsharded model's optimizer has them: the shards of a weight
-  become the whole weight, the per-shard slots of a weight one whole slot.
-
-  `slots` memoizes the whole slots, so lists that share a slot share its
-  `LogicalTensor` (a checkpoint saves it once).
-  """
-  slots = {} if slots is None else slots
-  prefixes = {}
-  for weight in weights.values():
-    for index, shard in enumerate(weight.shards):
-      prefixes[shard.path.replace("/", "_") + "_"] = (weight, index)
-  groups, entries = {}, []
-  for item in items:
-    shard_of = getattr(item, "_tfpar_shard_of", None)
-    if shard_of is not None:
-      if shard_of[1] == 0:
-        entries.append(shard_of[0])
-      continue
-    name = getattr(item, "name", "")
-    owner = next(((w, i, name[len(p):]) for p, (w, i) in prefixes.items()
-                  if name.startswith(p)), None)
-    if owner is None:
-      entries.append(item)
-      continue
-    weight, index, slot_name = owner
-    key = (weight.path, slot_name)
-    if key not in groups:
-      groups[key] = ([None] * len(weight.shards), weight.axis)
-      entries.append(key)
-    groups[key][0][index] = item
-  for key, (pieces, axis) in groups.items():
-    if key not in slots:
-      slots[key] = LogicalTensor(pieces, axis)
-  return [slots[e] if isinstance(e, tuple) else e for e in entries]
 
 
 def adopt(optimizer, model):
@@ -171,26 +135,3 @@ def _install_logical_clipping(optimizer, model):
     return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
   keras_optimizers.clip_after_all_reduce(optimizer, all_reduce_then_clip)
-
-
-def clip_by_norm_of(grad, square_sum, clipnorm):
-  """Keras's `_clip_by_norm` of `grad`, with the norm given as the sum of
-  squares of the whole weight (`grad` may be a shard or slice of it).
-
-  Args:
-    grad: the gradient (or part of it) to scale.
-    square_sum: the sum of squares of the whole gradient.
-    clipnorm: the optimizer's `clipnorm`.
-
-  Example:
-
-  >>> from tfpar.tensor_parallel.optimizer import clip_by_norm_of
-  >>> round(float(clip_by_norm_of(4.0, 25.0, 1.0)), 6)  # norm 5: scaled by 1/5
-  0.8
-  """
-  positive = square_sum > 0
-  norm = ops.where(positive, ops.sqrt(ops.where(positive, square_sum, 1.0)),
-                   square_sum)
-  return ops.multiply(grad, clipnorm) / ops.maximum(norm, clipnorm)
-
-

@@ -10,8 +10,8 @@ import contextlib
 
 import numpy as np
 
-from tfpar.tensor_parallel import optimizer as tensor_parallel_optimizer
-from tfpar.tensor_parallel.variables import sharded_weights
+from tfpar.common import split_weights
+from tfpar.common.split_weights import sharded_weights
 from tfpar.zero import sharded_optimizer
 from tfpar.zero import slices
 from tfpar.zero import spread_slices
@@ -50,7 +50,7 @@ def _entries(optimizer, model):
              for v, reference in sharded_optimizer.logical_entries(optimizer)]
   weights = sharded_weights(model)
   if weights:  # Tensor parallelism too: shards' slots become whole slots.
-    entries = tensor_parallel_optimizer.logical_entries(entries, weights)
+    entries = split_weights.logical_entries(entries, weights)
   return entries
 
 

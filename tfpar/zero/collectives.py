@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfpar import engine
 from tfpar._compat import distribute
 from tfpar._compat.tf_modules import cross_device_utils
-from tfpar.tensor_parallel import instrument
+from tfpar.common import instrument
 
 OPTIMIZER = "optimizer"  # Phase of the collectives of the update step.
 # Bucket size of the update step's collectives (PyTorch DDP's is 25 MB).

@@ -24,10 +24,10 @@ import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import keras_optimizers
-from tfpar.tensor_parallel.optimizer import clip_by_norm_of
+from tfpar.common.clipping import clip_by_norm_of
 from tfpar.zero import collectives
-from tfpar.zero import sparse_gradients
 from tfpar.zero import slices
+from tfpar.zero import sparse_gradients
 
 # Optimizers whose state is not elementwise in the weights.
 _REFUSED = ("Adafactor",)

@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from tfpar._compat import keras_layers
 from tfpar._compat.keras_modules import keras_variables
+from tfpar.common import instrument
 from tfpar.engine import spread
-from tfpar.tensor_parallel import instrument
 from tfpar.zero import collectives
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients

@@ -1,0 +1,4 @@
+"""What several parallelisms share (no parallelism imports another's
+internals): `instrument` (communication logs), `split_weights` (weights
+held in pieces, seen and saved whole), `whole_weights` (get/set_weights
+of whole weights), `clipping` (norms of whole weights)."""
