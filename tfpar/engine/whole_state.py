@@ -1,10 +1,13 @@
 """Optimizer state saved as one device saves it, however it is split.
 
-Tensor parallelism (shards) and expert parallelism (each replica's own
-experts) keep a weight's slots split over devices; Keras's
+Tensor parallelism (shards), expert parallelism (each replica's own
+experts) and ZeRO (slices) keep a weight's slots split over devices; Keras's
 `save_own_variables` / `load_own_variables` must still write and read the
 whole slots, in the order of an unsplit optimizer, so that checkpoints load
-into any layout or none.
+into any layout or none. This is the one implementation; a checkpoint
+listing another number of variables is skipped with a warning, as Keras's
+own optimizers do (layers raise, as Keras's layers do:
+`tfpar.common.split_weights.install_logical_saving`).
 
 Example:
 
@@ -47,7 +50,7 @@ def save_whole_state(optimizer, whole_entries):
           f"(optimizer.build(model.trainable_variables)).", stacklevel=2)
       return
     for index, entry in enumerate(entries):
-      entry.assign(store[str(index)])
+      entry.assign(np.asarray(store[str(index)]))
 
   object.__setattr__(optimizer, "save_own_variables", save_own_variables)
   object.__setattr__(optimizer, "load_own_variables", load_own_variables)

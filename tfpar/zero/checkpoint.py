@@ -12,6 +12,7 @@ import numpy as np
 
 from tfpar.common import split_weights
 from tfpar.common.split_weights import sharded_weights
+from tfpar.engine import whole_state
 from tfpar.zero import sharded_optimizer
 from tfpar.zero import slices
 from tfpar.zero import spread_slices
@@ -63,22 +64,7 @@ def install(optimizer, model):
     optimizer: an optimizer `sharded_optimizer.shard` has prepared.
     model: its model.
   """
-
-  def save_own_variables(store):
-    for index, entry in enumerate(_entries(optimizer, model)):
-      store[str(index)] = np.asarray(entry.numpy())
-
-  def load_own_variables(store):
-    entries = _entries(optimizer, model)
-    if len(store.keys()) != len(entries):
-      raise ValueError(
-          f"Optimizer {optimizer.name!r} has {len(entries)} logical "
-          f"variables but the checkpoint lists {len(store.keys())}.")
-    for index, entry in enumerate(entries):
-      entry.assign(np.asarray(store[str(index)]))
-
-  object.__setattr__(optimizer, "save_own_variables", save_own_variables)
-  object.__setattr__(optimizer, "load_own_variables", load_own_variables)
+  whole_state.save_whole_state(optimizer, lambda: _entries(optimizer, model))
 
 
 def whole_values(model):
