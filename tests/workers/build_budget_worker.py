@@ -1,0 +1,86 @@
+"""Worker for tests/test_build_budget.py: builds and trains a GPT whose
+weights are more than 4x a per-device budget, on 8 virtual CPUs (this
+process's own), counting every variable per device as it is created
+(`variable_accounting`, independent of tfpar); then trains the same model
+on one device and writes both to `OUT`.
+
+Usage: build_budget_worker.py OUT LAYOUT   (LAYOUT: tensor8 | zero3_data8)
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tfpar  # pylint: disable=g-import-not-at-top
+
+tfpar.configure_virtual_cpus(8)
+
+import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+import tp_common  # pylint: disable=g-import-not-at-top
+from variable_accounting import VariableAccounting  # pylint: disable=g-import-not-at-top
+
+WIDTH, VOCAB, BLOCKS, STEPS = 64, 64, 8, 2
+
+
+def gpt():
+  """A GPT of stock Keras layers, Keras's seeded initializers."""
+  keras.utils.set_random_seed(11)
+  tokens = keras.Input((tp_common.SEQUENCE,), dtype="int32")
+  x = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")(tokens)
+  for b in range(BLOCKS):
+    h = keras.layers.LayerNormalization(name=f"block{b}_ln1")(x)
+    x = x + keras.layers.MultiHeadAttention(
+        8, WIDTH // 8, name=f"block{b}_attention")(h, h, use_causal_mask=True)
+    h = keras.layers.LayerNormalization(name=f"block{b}_ln2")(x)
+    h = keras.layers.Dense(4 * WIDTH, activation="gelu",
+                           name=f"block{b}_mlp_in")(h)
+    x = x + keras.layers.Dense(WIDTH, name=f"block{b}_mlp_out")(h)
+  x = keras.layers.LayerNormalization(name="final_ln")(x)
+  model = keras.Model(tokens, keras.layers.Dense(VOCAB, name="lm_head")(x))
+  model.compile(optimizer=keras.optimizers.SGD(0.5),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  return model
+
+
+def train(model):
+  x, y = tp_common.data("gpt", count=tp_common.BATCH * STEPS)
+  return tp_common.step_losses(model, x, y, epochs=1)
+
+
+def strategy_for(layout):
+  if layout == "tensor8":
+    return tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 1, "tensor": 8}))
+  return tfpar.DataParallelStrategy(tfpar.Mesh({"data": 8}),
+                                    zero=tfpar.ZeRO(stage=3))
+
+
+def main():
+  out, layout = sys.argv[1], sys.argv[2]
+  accounting = VariableAccounting()
+  with accounting.counting():
+    with strategy_for(layout).scope():
+      model = gpt()
+    losses = train(model)
+  weights = model.get_weights()
+  reference = gpt()
+  reference_losses = train(reference)
+  with open(out, "w") as f:
+    json.dump({
+        "peak": dict(accounting.peak),
+        "largest": accounting.largest,
+        "weight_bytes": sum(w.nbytes for w in reference.get_weights()),
+        "loss_diff": float(np.abs(np.asarray(losses) -
+                                  np.asarray(reference_losses)).max()),
+        "weight_diff": max(float(np.abs(a - b).max()) for a, b in
+                           zip(weights, reference.get_weights())),
+        "arrays": [len(weights), len(reference.get_weights())],
+    }, f)
+
+
+if __name__ == "__main__":
+  main()
