@@ -38,6 +38,7 @@ SCENARIOS = {
     "stop": ("stop", (0, 1), (0,)),
     "chief-dies": ("chief-dies", (0, 1), (0, 1)),
     "extra-strategy": ("extra-strategy", (0, 1), (0, 1)),
+    "save-skipped": ("save-skipped", (0, 1), (0,)),
 }
 
 
@@ -69,9 +70,11 @@ def runs(tmp_path_factory):
         config = {"cluster": {"worker": addresses},
                   "task": {"type": "worker", "index": task}}
         log = open(directory / f"{name}.{task}.log", "w+")
+        env = _environment(config, connect)
+        env["HANG_DIR"] = str(directory)
         started[name, task] = (subprocess.Popen(
             [sys.executable, WORKER, argument], stdout=log,
-            stderr=subprocess.STDOUT, env=_environment(config, connect),
+            stderr=subprocess.STDOUT, env=env,
             start_new_session=True), log)
     end = time.monotonic() + DEADLINE
     for (name, task), (process, _) in started.items():
@@ -152,6 +155,23 @@ def test_a_stopped_worker_is_named(runs):
   seconds = _seconds(run, (1, "stall"), 0)
   print(f"worker stopped (SIGSTOP): error after {seconds:.1f} s")
   assert seconds <= HEARTBEAT + SLACK
+
+
+def test_a_worker_missing_from_a_checkpoint_gather_is_named(runs):
+  """tfpar.save_weights under multi-worker ZeRO gathers the slices from
+  every worker: one that never comes is named after the collective
+  timeout, as in a step."""
+  run = runs["save-skipped"]
+  error = _error(run, 0)
+  assert error["type"] == "DeadlineExceededError"
+  assert (f"worker 0 ({run['addresses'][0]}) waited 15 s "
+          f"(TFPAR_COLLECTIVE_TIMEOUT) for its peers at the gather of ZeRO "
+          f"slices to save them of strategy #1 (DataParallelStrategy): "
+          f"worker 1 ({run['addresses'][1]}) did not join") in error["message"]
+  seconds = _seconds(run, (1, "stall"), 0)
+  print(f"worker missing from a checkpoint gather: error after "
+        f"{seconds:.1f} s")
+  assert COLLECTIVE <= seconds <= COLLECTIVE + GRACE + SLACK
 
 
 def test_a_dead_chief_is_named(runs):

@@ -10,7 +10,10 @@ Usage: hang_worker.py SCENARIO, one of
   sleep           worker 1 sleeps before its batch 3 (alive, heartbeating);
   stop            worker 1 stops itself (SIGSTOP) before its batch 3;
   chief-dies      worker 0 exits before its batch 3;
-  extra-strategy  worker 0 creates one strategy more than the others.
+  extra-strategy  worker 0 creates one strategy more than the others;
+  save-skipped    both train under tfpar.ZeRO(stage=2), then worker 0
+                  saves (every worker must: the slices are gathered) and
+                  worker 1 sleeps instead.
 """
 
 import json
@@ -61,7 +64,14 @@ def main():
     with strategy.scope():
       model = dp_common.build_model()
     x, y = dp_common.make_data()
-    dp_common.fit(model, x, y, epochs=1, callbacks=[Stall()])
+    zero = [tfpar.ZeRO(stage=2)] if SCENARIO == "save-skipped" else []
+    dp_common.fit(model, x, y, epochs=1, callbacks=[Stall()] + zero)
+    if SCENARIO == "save-skipped":
+      if TASK == 1:
+        event("stall")
+        time.sleep(3600)
+      tfpar.save_weights(model, os.path.join(
+          os.environ["HANG_DIR"], "saved.weights.h5"))
   except Exception as error:  # pylint: disable=broad-except
     event("error", type=type(error).__name__, message=str(error))
     sys.exit(1)

@@ -17,6 +17,7 @@ import contextlib
 
 import tensorflow as tf
 
+from tfpar import watchdog
 from tfpar._compat import keras_layers
 from tfpar.memory import components
 from tfpar.zero import collectives
@@ -73,7 +74,12 @@ def prefetched(variables):
   """
   spread = [v for v in variables if is_spread(v)]
   if spread:
-    for variable, flat in zip(spread, _gather(spread)):
+    # A peer that never comes to the gather is named after the collective
+    # timeout, as in a training step.
+    with watchdog.watching(_distributed(spread[0]).distribute_strategy,
+                           "the gather of ZeRO slices to save them"):
+      gathered = _gather(spread)
+    for variable, flat in zip(spread, gathered):
       value = _distributed(variable)
       _prefetched[id(value)] = (value, flat)
   try:
