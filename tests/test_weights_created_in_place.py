@@ -29,23 +29,24 @@ BUDGET = {"tensor4": (70_000, 3.0), "zero3_data4": (60_000, 3.6),
           "pipeline4": (80_000, 2.75), "pipeline2_tensor2": (70_000, 3.0)}
 
 
-def gpt(seed=7):
+def gpt(seed=7, width=WIDTH, blocks=BLOCKS, heads=4):
   """tp_common's GPT shape with Keras's own seeded initializers."""
   keras.utils.set_random_seed(seed)
   tokens = keras.Input((tp_common.SEQUENCE,), dtype="int32")
-  x = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")(tokens)
+  x = keras.layers.Embedding(VOCAB, width, name="tokens")(tokens)
   positions = keras.ops.zeros_like(tokens) + keras.ops.arange(
       tp_common.SEQUENCE)
-  x = x + keras.layers.Embedding(tp_common.SEQUENCE, WIDTH,
+  x = x + keras.layers.Embedding(tp_common.SEQUENCE, width,
                                  name="positions")(positions)
-  for b in range(BLOCKS):
+  for b in range(blocks):
     h = keras.layers.LayerNormalization(name=f"block{b}_ln1")(x)
     x = x + keras.layers.MultiHeadAttention(
-        4, WIDTH // 4, name=f"block{b}_attention")(h, h, use_causal_mask=True)
+        heads, width // heads, name=f"block{b}_attention")(
+            h, h, use_causal_mask=True)
     h = keras.layers.LayerNormalization(name=f"block{b}_ln2")(x)
-    h = keras.layers.Dense(4 * WIDTH, activation="gelu",
+    h = keras.layers.Dense(4 * width, activation="gelu",
                            name=f"block{b}_mlp_in")(h)
-    x = x + keras.layers.Dense(WIDTH, name=f"block{b}_mlp_out")(h)
+    x = x + keras.layers.Dense(width, name=f"block{b}_mlp_out")(h)
   x = keras.layers.LayerNormalization(name="final_ln")(x)
   model = keras.Model(tokens, keras.layers.Dense(VOCAB, name="lm_head")(x),
                       name="gpt")

@@ -17,34 +17,19 @@ import tfpar  # pylint: disable=g-import-not-at-top
 
 tfpar.configure_virtual_cpus(8)
 
-import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
+import test_weights_created_in_place as weights_created_in_place  # pylint: disable=g-import-not-at-top
 import tp_common  # pylint: disable=g-import-not-at-top
 from variable_accounting import VariableAccounting  # pylint: disable=g-import-not-at-top
 
-WIDTH, VOCAB, BLOCKS, STEPS = 64, 64, 8, 2
+WIDTH, BLOCKS, STEPS = 64, 8, 2
 
 
 def gpt():
-  """A GPT of stock Keras layers, Keras's seeded initializers."""
-  keras.utils.set_random_seed(11)
-  tokens = keras.Input((tp_common.SEQUENCE,), dtype="int32")
-  x = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")(tokens)
-  for b in range(BLOCKS):
-    h = keras.layers.LayerNormalization(name=f"block{b}_ln1")(x)
-    x = x + keras.layers.MultiHeadAttention(
-        8, WIDTH // 8, name=f"block{b}_attention")(h, h, use_causal_mask=True)
-    h = keras.layers.LayerNormalization(name=f"block{b}_ln2")(x)
-    h = keras.layers.Dense(4 * WIDTH, activation="gelu",
-                           name=f"block{b}_mlp_in")(h)
-    x = x + keras.layers.Dense(WIDTH, name=f"block{b}_mlp_out")(h)
-  x = keras.layers.LayerNormalization(name="final_ln")(x)
-  model = keras.Model(tokens, keras.layers.Dense(VOCAB, name="lm_head")(x))
-  model.compile(optimizer=keras.optimizers.SGD(0.5),
-                loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True))
-  return model
+  """test_weights_created_in_place's GPT, 8 blocks of width 64."""
+  return weights_created_in_place.gpt(seed=11, width=WIDTH, blocks=BLOCKS,
+                                      heads=8)
 
 
 def train(model):
