@@ -13,12 +13,11 @@ takes part in gathering the whole tensors, and the chief writes them.
 
 import json
 
-import keras
 import tensorflow as tf
 
 from tfpar import keras_hooks
-from tfpar._compat import keras_callbacks
 from tfpar import preemption
+from tfpar._compat import keras_callbacks
 from tfpar.zero import checkpoint as zero_checkpoint
 
 
