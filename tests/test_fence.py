@@ -24,7 +24,7 @@ import tensorflow as tf
 import tfpar
 from tfpar import _compat
 from tfpar._compat import keras_layers
-from tfpar._compat.tf_modules import distribute_lib
+from tfpar._compat.tf_modules import collective_all_reduce_strategy
 from tfpar._compat.tf_modules import trackable_base
 
 ROOT = pathlib.Path(tfpar.__file__).parent
@@ -149,25 +149,20 @@ def _tfpar_classes():
 
 # Keras and TensorFlow classes whose private methods a tfpar class could
 # override, mixin or not.
-_FOREIGN_BASES = (keras.layers.Layer, keras.Variable, keras.optimizers.Optimizer,
-                  keras.callbacks.Callback, keras.callbacks.ModelCheckpoint,
-                  keras.callbacks.BackupAndRestore, keras.Model,
-                  tf.Variable, trackable_base.Trackable, distribute_lib.Strategy,
-                  distribute_lib.StrategyExtendedV2, tf.distribute.MirroredStrategy,
-                  tf.distribute.MultiWorkerMirroredStrategy)
+_FOREIGN_BASES = (
+    keras.layers.Layer, keras.Variable, keras.optimizers.Optimizer,
+    keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore,
+    keras.Model, tf.Variable, trackable_base.Trackable,
+    tf.distribute.MultiWorkerMirroredStrategy,
+    collective_all_reduce_strategy.CollectiveAllReduceExtended)
 
 
 def _foreign_private_names():
-  names = set()
-  for base in _FOREIGN_BASES:
-    extended = getattr(base, "_extended_class", None)
-    for cls in base.__mro__ + ((extended,) if extended else ()):
-      names.update(n for n in vars(cls) if _is_private(n))
-  for cls in (tf.distribute.MirroredStrategy().extended.__class__,
-              tf.distribute.MultiWorkerMirroredStrategy.__mro__[0]):
-    for klass in cls.__mro__:
-      names.update(n for n in vars(klass) if _is_private(n))
-  return names
+  """Private names defined by those classes or any of their bases (the
+  strategy's MRO covers Strategy, the extended's covers MirroredExtended
+  and StrategyExtendedV2)."""
+  return {name for base in _FOREIGN_BASES for cls in base.__mro__
+          for name in vars(cls) if _is_private(name)}
 
 
 def test_no_class_overrides_a_private_keras_or_tf_method():

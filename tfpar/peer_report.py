@@ -14,8 +14,8 @@ Two sources:
   coordination service's heartbeat RPC when the chief is gone; `explain`
   turns it into the worker's name and address.
 
-TensorFlow's key-value store is reached through `tfpar._compat.runtime` (`tensorflow.python.eager.
-context` (as in `tfpar.preemption`).
+TensorFlow's key-value store is reached through `tfpar._compat.runtime`
+(TensorFlow's eager context, as in `tfpar.preemption`).
 """
 
 import json

@@ -11,8 +11,9 @@ without any acknowledgement: no worker can finish the announced step before
 the announcing worker has started it (the step's all-reduce waits for every
 worker), and it announces before starting it.
 
-TensorFlow's key-value store is reached through `tfpar._compat.runtime` (`tensorflow.python.eager.
-context`, checked on first use, so an upgrade that moves it fails loudly.
+TensorFlow's key-value store is reached through `tfpar._compat.runtime`
+(TensorFlow's eager context), checked at import, so an upgrade that moves
+it fails loudly.
 """
 
 import signal
@@ -29,13 +30,8 @@ _generations = [0]  # Watches made in this process: the same on every worker.
 
 
 def _key_value_store():
-  store = runtime.context()
-  for method in ("set_config_key_value", "get_config_key_value"):
-    if not hasattr(store, method):
-      raise RuntimeError(
-          f"tfpar cannot save before preemption with this TensorFlow "
-          f"({tf.__version__}): its eager context has no {method}.")
-  return store
+  # runtime checks at import that the context has the key-value methods.
+  return runtime.context()
 
 
 def worker_count(strategy):

@@ -130,11 +130,8 @@ require(keras.Variable, "_direct_assign", "assigning whole weights")
 
 class WholeAssignment:
   """Mixin for a Keras variable class whose `assign` (and checkpoint restores)
-  go to `self.assign_whole(value)`: ZeRO-3 weights held as slices take a
-  whole value and keep their own slice of it."""
-
-  def assign_whole(self, value):
-    raise NotImplementedError
+  go to `self.assign_whole(value)`, which the class defines: ZeRO-3 weights
+  held as slices take a whole value and keep their own slice of it."""
 
   def _direct_assign(self, value):
     self.assign_whole(value)

@@ -44,4 +44,5 @@ for _module, _names in _NEEDED.items():
 require(data_adapters.data_adapter_utils, "unpack_x_y_sample_weight",
         "the pipeline's step")
 
-unpack_x_y_sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight
+unpack_x_y_sample_weight = (
+    data_adapters.data_adapter_utils.unpack_x_y_sample_weight)

@@ -168,24 +168,21 @@ def logical_weights(model):
   >>> sorted(tfpar.logical_weights(model))
   ['net/out/bias', 'net/out/kernel']
   """
-  result = {}
-  for layer in keras_layers.flatten_layers(model, include_self=True):
-    order = getattr(layer, "_tfpar_logical_order", None)
-    items = order if order is not None else (
-        keras_layers.own_variables(layer))
-    for item in items:
-      result[item.path] = np.asarray(item.numpy())
-  return result
+  return {item.path: np.asarray(item.numpy()) for item in _logical_items(model)}
 
 
 def logical_weights_paths(model):
   """(path, full shape) of every logical weight of `model`, in order."""
+  for item in _logical_items(model):
+    yield item.path, tuple(item.shape)
+
+
+def _logical_items(model):
+  """Every layer's weights in its logical order (split ones whole)."""
   for layer in keras_layers.flatten_layers(model, include_self=True):
     order = getattr(layer, "_tfpar_logical_order", None)
-    items = order if order is not None else (
-        keras_layers.own_variables(layer))
-    for item in items:
-      yield item.path, tuple(item.shape)
+    yield from (order if order is not None else
+                keras_layers.own_variables(layer))
 
 
 def logical_entries(items, weights, slots=None):

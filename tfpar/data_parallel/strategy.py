@@ -37,7 +37,7 @@ class DataParallelStrategy(engine_strategy.MeshStrategy):
   ...   model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
   ...   model.compile(optimizer="adam", loss="mse")
   >>> model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8, verbose=0)
-  <keras.src.callbacks.history.History object at ...>
+  <...History object at ...>
   """
 
   def __init__(self, mesh=None, communication_options=None, zero=None):

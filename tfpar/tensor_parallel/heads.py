@@ -206,7 +206,8 @@ def multi_head_attention(layout, group, sequence_parallel):
             role: layers_lib.project(parts[role], x, index, parts[role].equation)
             for role, x in (("query", q), ("key", k), ("value", v))}
         output, attention_scores = keras_attention.compute_attention(
-            layer, projected["query"], projected["key"], projected["value"], mask,
+            layer, projected["query"], projected["key"], projected["value"],
+            mask,
             training, return_attention_scores, **extra)
         if "gate" in parts:
           gate = layers_lib.project(parts["gate"], q, index, parts["gate"].equation)

@@ -67,7 +67,7 @@ def initialize_topology(resolver=None):
 
   >>> resolver = tf.distribute.cluster_resolver.TPUClusterResolver("local")
   >>> initialize_topology(resolver)  # doctest: +SKIP
-  <tensorflow.python.tpu.topology.Topology object at ...>
+  <...Topology object at ...>
   """
   # Set by the public `set_tpu_topology`, which initialize_tpu_system calls.
   proto = runtime.tpu_topology_proto(resolver)

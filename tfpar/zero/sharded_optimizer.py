@@ -120,7 +120,8 @@ def check_shardable(optimizer, strategy):
         f"full-size state is never allocated; it is built already. Pass "
         f"the ZeRO callback to the first fit call of a freshly compiled "
         f"model.")
-  if keras_optimizers.distribution_strategy(optimizer, strategy) is not strategy:
+  created_under = keras_optimizers.distribution_strategy(optimizer, strategy)
+  if created_under is not strategy:
     raise ValueError(
         f"Optimizer {optimizer.name!r} was created outside the model's "
         f"strategy scope ({strategy!r}); create it (and compile the model) "
