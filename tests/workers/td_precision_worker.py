@@ -24,8 +24,8 @@ import tfpar  # pylint: disable=g-import-not-at-top
 tfpar.configure_virtual_cpus(8)
 
 import keras  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
 
+import precision_common  # pylint: disable=g-import-not-at-top
 import stock_strategies  # pylint: disable=g-import-not-at-top
 import tp_common  # pylint: disable=g-import-not-at-top
 
@@ -55,10 +55,12 @@ def _train(policy, strategy, zero_stage=0, accumulation=None):
 
 
 def _difference(result, reference):
+  """precision_common.differences of two `_train` results."""
   assert sorted(result[1]) == sorted(reference[1])
-  return (float(np.abs(result[0] - reference[0]).max()),
-          max(float(np.abs(np.asarray(result[1][path]) - value).max())
-              for path, value in reference[1].items()))
+  paths = sorted(reference[1])
+  return precision_common.differences(
+      result[0], [result[1][path] for path in paths], reference[0],
+      [reference[1][path] for path in paths])
 
 
 def main():
@@ -67,6 +69,7 @@ def main():
     reference = _timed(_train, policy, None)
     mirrored = stock_strategies.mirrored(tfpar.Mesh().devices[:2])
     out[policy] = {
+        "first loss": float(reference[0][0]),
         "mirrored": _difference(_timed(_train, policy, mirrored), reference),
         "3d": _difference(_timed(_train, policy, _three_d()), reference),
         "3d ZeRO-2": _difference(_timed(_train, policy, _three_d(), 2),
