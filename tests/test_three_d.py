@@ -72,14 +72,29 @@ def _assert_stage_shards_on_stage_devices(result, tensor):
                                              for g in groups]
 
 
-@pytest.mark.parametrize("data,schedule,zero_stage", [
-    (1, "1f1b", 0), (2, "gpipe", 1), (2, "1f1b", 3)])
+# (data, schedule, ZeRO stage) on pipeline 2 x tensor 2.
+CASES = [(1, "1f1b", 0), (2, "gpipe", 1), (2, "1f1b", 3)]
+
+
+@pytest.fixture(scope="module")
+def one_host_runs(tmp_path_factory):
+  """Every CASES entry, run by one td_worker process (TensorFlow and its 8
+  virtual CPUs start once): case -> the worker's result."""
+  out_dir = tmp_path_factory.mktemp("three_d")
+  names = [f"d{data}_{schedule}_zero{stage}" for data, schedule, stage
+           in CASES]
+  _run([sys.executable, WORKER, str(out_dir)] +
+       [f"{name},{data},2,2,{schedule},{stage}"
+        for name, (data, schedule, stage) in zip(names, CASES)],
+       out_dir, names[0])
+  return {case: json.load(open(out_dir / f"{name}_worker0.json"))
+          for name, case in zip(names, CASES)}
+
+
+@pytest.mark.parametrize("data,schedule,zero_stage", CASES)
 def test_pipeline_of_tensor_parallel_stages_matches_one_device(
-    reference, tmp_path, data, schedule, zero_stage):
-  name = f"d{data}"
-  results = _run([sys.executable, WORKER, str(tmp_path), name, str(data),
-                  "2", "2", schedule, str(zero_stage)], tmp_path, name)
-  result = results[0]
+    reference, one_host_runs, data, schedule, zero_stage):
+  result = one_host_runs[(data, schedule, zero_stage)]
   assert result["num_replicas"] == data
   _assert_same_as(reference, result)
   _assert_stage_shards_on_stage_devices(result, tensor=2)
@@ -140,7 +155,7 @@ def test_3d_across_two_workers_with_zero2_matches_one_device(reference,
   results = _run(
       [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
        "--devices-per-worker", "4", "--timeout", str(TIMEOUT), WORKER,
-       str(tmp_path), "mw", "2", "2", "2", "1f1b", "2"], tmp_path, "mw",
+       str(tmp_path), "mw,2,2,2,1f1b,2"], tmp_path, "mw",
       workers=2)
   for worker, result in enumerate(results):
     assert result["num_replicas"] == 2

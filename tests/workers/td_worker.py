@@ -1,12 +1,14 @@
 """Worker script for the 3D (data x pipeline x tensor) tests.
 
 Trains tp_common's GPT under PipelineParallelStrategy with tensor-parallel
-stages, optionally with tfpar.ZeRO, and writes what it saw to
-`OUT_DIR/<name>.json`. Alone it makes its own virtual CPUs; under
-`tfpar launch` the mesh spans the TF_CONFIG workers (data across them).
+stages, optionally with tfpar.ZeRO, once per case, and writes what each
+case saw to `OUT_DIR/<name>_worker<task>.json`. Alone it makes its own
+virtual CPUs (as many as the largest case needs; each case takes the first
+ones), so several cases pay TensorFlow's start once; under `tfpar launch`
+the mesh spans the TF_CONFIG workers (data across them).
 
-Usage: td_worker.py OUT_DIR NAME DATA PIPELINE TENSOR SCHEDULE ZERO_STAGE
-  (ZERO_STAGE 0: no ZeRO)
+Usage: td_worker.py OUT_DIR CASE [CASE ...]
+  CASE: NAME,DATA,PIPELINE,TENSOR,SCHEDULE,ZERO_STAGE (ZERO_STAGE 0: no ZeRO)
 """
 
 import json
@@ -22,17 +24,20 @@ import tp_common
 MICROBATCHES = 2
 
 
-def main():
-  out_dir, name = sys.argv[1], sys.argv[2]
-  data, pipeline, tensor = (int(a) for a in sys.argv[3:6])
-  schedule, zero_stage = sys.argv[6], int(sys.argv[7])
+def _parse(case):
+  name, data, pipeline, tensor, schedule, zero_stage = case.split(",")
+  return (name, int(data), int(pipeline), int(tensor), schedule,
+          int(zero_stage))
+
+
+def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage):
   if "TF_CONFIG" in os.environ:
     mesh = tfpar.Mesh.from_cluster_resolver(data=data, pipeline=pipeline,
                                             tensor=tensor)
     worker = mesh.cluster.task_id
   else:
-    tfpar.configure_virtual_cpus(data * pipeline * tensor)
-    mesh = tfpar.Mesh({"data": data, "pipeline": pipeline, "tensor": tensor})
+    mesh = tfpar.Mesh({"data": data, "pipeline": pipeline, "tensor": tensor},
+                      devices=tfpar.Mesh().devices[:data * pipeline * tensor])
     worker = 0
   strategy = tfpar.PipelineParallelStrategy(
       mesh, num_microbatches=MICROBATCHES, schedule=schedule)
@@ -49,6 +54,14 @@ def main():
   })
   with open(os.path.join(out_dir, f"{name}_worker{worker}.json"), "w") as f:
     json.dump(result, f)
+
+
+def main():
+  out_dir, cases = sys.argv[1], [_parse(case) for case in sys.argv[2:]]
+  if "TF_CONFIG" not in os.environ:
+    tfpar.configure_virtual_cpus(max(d * p * t for _, d, p, t, _, _ in cases))
+  for case in cases:
+    _run(out_dir, *case)
 
 
 if __name__ == "__main__":
