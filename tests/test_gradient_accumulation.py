@@ -53,13 +53,9 @@ def _adam(steps=2):
                                        gradient_accumulation_steps=steps)
 
 
-_reference = {}
-
-
-def _one_device(steps=2):
-  if steps not in _reference:
-    _reference[steps] = _train(None, _adam(steps))
-  return _reference[steps]
+@functools.cache
+def _one_device():
+  return _train(None, _adam())
 
 
 def _difference(result, reference):
@@ -83,10 +79,19 @@ LAYOUTS = {
 }
 
 
+@functools.cache
+def _counted_train(layout, steps):
+  """`_train` of Adam accumulating over `steps` under `layout`, and the
+  (all-reduces, bytes) its optimizer updates ran, counted through control
+  dependencies that leave the losses and weights `_train`'s."""
+  with collective_count.update_all_reduces() as totals:
+    result = _train(LAYOUTS[layout](), _adam(steps))
+  return result, (totals["executions"], totals["bytes"])
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_accumulation_trains_like_one_device(layout):
-  reference = _one_device()
-  loss, weights = _difference(_train(LAYOUTS[layout](), _adam()), reference)
+  loss, weights = _difference(_counted_train(layout, 2)[0], _one_device())
   # Accumulating changes the result (k=2 vs none on one device: 0.13 in the
   # loss), so equality here means the same accumulation happened.
   assert loss < 1e-5 and weights < 1e-5, (layout, loss, weights)
@@ -117,11 +122,7 @@ def test_accumulating_k_batches_equals_one_k_times_larger_batch():
 @pytest.mark.parametrize("layout", ["data 4", "data 2 x tensor 2",
                                     "data 2 x pipeline 2, 1F1B"])
 def test_gradients_cross_replicas_once_per_optimizer_step(layout):
-  counts = {}
-  for steps in (0, 2):
-    with collective_count.update_all_reduces() as totals:
-      _train(LAYOUTS[layout](), _adam(steps))
-    counts[steps] = totals["executions"], totals["bytes"]
+  counts = {steps: _counted_train(layout, steps)[1] for steps in (0, 2)}
   micro_steps = STEPS_PER_EPOCH * EPOCHS
   per_step = {k: (n / (micro_steps // max(k, 1)), b / (micro_steps //
                                                       max(k, 1)))

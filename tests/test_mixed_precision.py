@@ -3,6 +3,9 @@ dynamic scale, as Keras's own train_step does; ZeRO-3 gathers weights in the
 compute dtype. Each against one device, within the spread of stock
 MirroredStrategy vs one device measured side by side."""
 
+import contextlib
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -12,11 +15,20 @@ import stock_strategies
 import tfpar
 
 
+@contextlib.contextmanager
+def _policy(name):
+  previous = keras.mixed_precision.global_policy()
+  keras.mixed_precision.set_global_policy(name)
+  try:
+    yield
+  finally:
+    keras.mixed_precision.set_global_policy(previous)
+
+
 @pytest.fixture
 def mixed_float16():
-  keras.mixed_precision.set_global_policy("mixed_float16")
-  yield
-  keras.mixed_precision.set_global_policy("float32")
+  with _policy("mixed_float16"):
+    yield
 
 
 def _chain():
@@ -33,8 +45,9 @@ def _chain():
   return model
 
 
-def _two_cpus():
-  return tfpar.Mesh().devices[:2]
+def _data_two_cpus():
+  return tfpar.DataParallelStrategy(
+      tfpar.Mesh({"data": 2}, devices=tfpar.Mesh().devices[:2]))
 
 
 def _train(strategy, callbacks=None):
@@ -51,6 +64,15 @@ def _train(strategy, callbacks=None):
           None if scale is None else float(scale.numpy()))
 
 
+@functools.cache
+def _one_device_and_mirrored(policy):
+  """`_train` under `policy` on one device and under stock Mirrored on 2
+  CPUs: the reference and the spread each mixed-policy test is held to."""
+  with _policy(policy):
+    return _train(None), _train(stock_strategies.mirrored(["/cpu:0",
+                                                           "/cpu:1"]))
+
+
 def _difference(result, reference):
   return (float(np.abs(result[0] - reference[0]).max()),
           max(float(np.abs(a - b).max())
@@ -59,8 +81,7 @@ def _difference(result, reference):
 
 def test_mixed_float16_pipeline_within_the_spread_of_mirrored(mixed_float16):
   del mixed_float16
-  reference = _train(None)
-  mirrored = _train(stock_strategies.mirrored(["/cpu:0", "/cpu:1"]))
+  reference, mirrored = _one_device_and_mirrored("mixed_float16")
   pipeline = _train(tfpar.PipelineParallelStrategy(
       tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2))
   spread_loss, spread_weights = _difference(mirrored, reference)
@@ -74,16 +95,11 @@ def test_mixed_float16_pipeline_within_the_spread_of_mirrored(mixed_float16):
 
 
 def test_zero3_gathers_bfloat16_and_trains_like_mirrored():
-  keras.mixed_precision.set_global_policy("mixed_bfloat16")
-  try:
-    reference = _train(None)
-    mirrored = _train(stock_strategies.mirrored(["/cpu:0", "/cpu:1"]))
-    strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
-                                                     devices=_two_cpus()))
+  reference, mirrored = _one_device_and_mirrored("mixed_bfloat16")
+  with _policy("mixed_bfloat16"):
+    strategy = _data_two_cpus()
     with tfpar.CommunicationLog() as log:
       zero = _train(strategy, callbacks=[tfpar.ZeRO(stage=3)])
-  finally:
-    keras.mixed_precision.set_global_policy("float32")
   spread_loss, spread_weights = _difference(mirrored, reference)
   loss, weights = _difference(zero, reference)
   assert loss <= 2 * spread_loss + 1e-5, (loss, spread_loss)
@@ -103,11 +119,8 @@ def test_zero3_gathers_bfloat16_and_trains_like_mirrored():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_with_loss_scaling_trains_like_mirrored(mixed_float16, stage):
   del mixed_float16
-  reference = _train(None)
-  mirrored = _train(stock_strategies.mirrored(["/cpu:0", "/cpu:1"]))
-  strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
-                                                   devices=_two_cpus()))
-  zero = _train(strategy, callbacks=[tfpar.ZeRO(stage=stage)])
+  reference, mirrored = _one_device_and_mirrored("mixed_float16")
+  zero = _train(_data_two_cpus(), callbacks=[tfpar.ZeRO(stage=stage)])
   spread_loss, spread_weights = _difference(mirrored, reference)
   loss, weights = _difference(zero, reference)
   assert loss <= 2 * spread_loss + 1e-5, (loss, spread_loss)
@@ -117,73 +130,63 @@ def test_zero_with_loss_scaling_trains_like_mirrored(mixed_float16, stage):
         f"{weights:.1e}; mirrored {spread_loss:.1e} / {spread_weights:.1e}")
 
 
-def _overflow_run(strategy, callbacks=None):
-  """Two steps under mixed_float16 on data 2: in the first, only the rows
-  of the second replica overflow in float16; returns the weights, the
-  loss scale and the optimizer's iterations."""
-  with strategy.scope() if strategy else tf.init_scope():
-    model = _chain()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(32, 8)).astype("float32")
-  x[8:16] *= 3e4  # Second half of the first batch: replica 1's rows.
-  y = np.ones((32, 3), "float32")
-  model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
-            callbacks=callbacks)
-  return (model.get_weights(), float(model.optimizer.dynamic_scale.numpy()),
-          int(model.optimizer.iterations.numpy()))
+OVERFLOW_LAYOUTS = {
+    "one device": (lambda: None, None),
+    "data 2": (_data_two_cpus, None),
+    "data 2 x pipeline 2": (lambda: tfpar.PipelineParallelStrategy(
+        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2), None),
+    "ZeRO-2": (_data_two_cpus, 2),
+    "ZeRO-3": (_data_two_cpus, 3),
+}
 
 
-def test_a_step_that_overflows_on_one_replica_is_skipped_on_all(
-    mixed_float16):
-  del mixed_float16
-  reference = _overflow_run(None)
-  data = _overflow_run(tfpar.DataParallelStrategy(
-      tfpar.Mesh({"data": 2}, devices=_two_cpus())))
-  pipeline = _overflow_run(tfpar.PipelineParallelStrategy(
-      tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2))
-  zero = [_overflow_run(tfpar.DataParallelStrategy(tfpar.Mesh(
-      {"data": 2}, devices=_two_cpus())), [tfpar.ZeRO(stage=stage)])
-          for stage in (2, 3)]
+@functools.cache
+def _overflowed(layout):
+  """The model after two steps under mixed_float16 on an OVERFLOW_LAYOUTS
+  layout: in the first, only the rows of data replica 1 overflow in
+  float16."""
+  make_strategy, stage = OVERFLOW_LAYOUTS[layout]
+  strategy = make_strategy()
+  with _policy("mixed_float16"):
+    with strategy.scope() if strategy else tf.init_scope():
+      model = _chain()
+      model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    x[8:16] *= 3e4  # Second half of the first batch: replica 1's rows.
+    model.fit(x, np.ones((32, 3), "float32"), batch_size=16, epochs=1,
+              shuffle=False, verbose=0,
+              callbacks=[tfpar.ZeRO(stage=stage)] if stage else None)
+  return model
+
+
+def test_a_step_that_overflows_on_one_replica_is_skipped_on_all():
+  reference = _overflowed("one device")
+  scale = float(reference.optimizer.dynamic_scale.numpy())
   # One device sees the overflow: it halves the scale and skips the step.
   # (Stock MirroredStrategy, measured: replica 0 decides, it applies the
   # step and the weights become NaN.)
-  assert reference[1] == 2.0 ** 14, reference[1]
-  for result in [data, pipeline] + zero:
-    assert result[1] == reference[1]
-    assert all(np.isfinite(w).all() for w in result[0])
+  assert scale == 2.0 ** 14, scale
+  for layout in ("data 2", "data 2 x pipeline 2", "ZeRO-2", "ZeRO-3"):
+    model = _overflowed(layout)
+    weights = model.get_weights()
+    assert float(model.optimizer.dynamic_scale.numpy()) == scale, layout
+    assert all(np.isfinite(w).all() for w in weights), layout
     assert max(float(np.abs(a - b).max())
-               for a, b in zip(result[0], reference[0])) < 1e-3
-
-
-def _overflowing_fit(model, callbacks=None):
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(32, 8)).astype("float32")
-  x[8:16] *= 3e4  # The first step overflows: the scale halves.
-  model.fit(x, np.ones((32, 3), "float32"), batch_size=16, epochs=1,
-            verbose=0, shuffle=False, callbacks=callbacks)
+               for a, b in zip(weights, reference.get_weights())) < 1e-3
 
 
 def test_zero_checkpoint_keeps_the_loss_scale(mixed_float16, tmp_path):
   del mixed_float16
-  strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
-                                                   devices=_two_cpus()))
-  with strategy.scope():
-    model = _chain()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-  _overflowing_fit(model, [tfpar.ZeRO(stage=2)])
   path = str(tmp_path / "zero.weights.h5")
-  model.save_weights(path)
-  reference = _chain()
-  reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-  _overflowing_fit(reference)
+  _overflowed("ZeRO-2").save_weights(path)
   restored = _chain()
   restored.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
   restored.optimizer.build(restored.trainable_variables)
   restored.load_weights(path)
   assert float(restored.optimizer.dynamic_scale.numpy()) == 2.0 ** 14
   assert int(restored.optimizer.iterations.numpy()) == 1
-  wanted = reference.optimizer.variables
+  wanted = _overflowed("one device").optimizer.variables
   got = restored.optimizer.variables
   assert [v.shape for v in got] == [v.shape for v in wanted]
   for a, b in zip(got, wanted):  # Whole Adam moments, as on one device.
@@ -192,15 +195,11 @@ def test_zero_checkpoint_keeps_the_loss_scale(mixed_float16, tmp_path):
 
 
 def test_zero_refuses_half_precision_weights_before_training():
-  keras.mixed_precision.set_global_policy("float16")
-  try:
-    strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
-                                                     devices=_two_cpus()))
+  with _policy("float16"):
+    strategy = _data_two_cpus()
     with pytest.raises(ValueError, match=r"tfpar.ZeRO shards float32 "
                        r"weights.*b0_in/kernel.*float16"):
       _train(strategy, callbacks=[tfpar.ZeRO(stage=3)])
-  finally:
-    keras.mixed_precision.set_global_policy("float32")
 
 
 def test_float16_and_float32_weights_reduce_in_groups_of_one_dtype():
@@ -220,8 +219,7 @@ def test_float16_and_float32_weights_reduce_in_groups_of_one_dtype():
     model.fit(x, x[:, :3], batch_size=16, epochs=2, shuffle=False, verbose=0)
     return model.get_weights()
   reference = run(None)
-  result = run(tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
-                                                     devices=_two_cpus())))
+  result = run(_data_two_cpus())
   assert [w.dtype for w in result] == [w.dtype for w in reference]
   for got, want in zip(result, reference):
     # float16 rounding (and float16 inputs of the float32 layer).
@@ -246,13 +244,10 @@ def test_the_loss_scale_grows_as_on_one_device(mixed_float16):
   reference = _growing_scale_run(None)
   assert reference[1] == 2.0 ** 15 * 2 ** 3  # 6 finite steps.
   for strategy, callbacks in (
-      (tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
-                                             devices=_two_cpus())), None),
+      (_data_two_cpus(), None),
       (tfpar.PipelineParallelStrategy(tfpar.Mesh({"data": 2, "pipeline": 2}),
                                       num_microbatches=2), None),
-      (tfpar.DataParallelStrategy(tfpar.Mesh({"data": 2},
-                                             devices=_two_cpus())),
-       [tfpar.ZeRO(stage=2)])):
+      (_data_two_cpus(), [tfpar.ZeRO(stage=2)])):
     weights, scale = _growing_scale_run(strategy, callbacks)
     assert scale == reference[1]
     assert max(float(np.abs(a - b).max())
