@@ -3,10 +3,12 @@ of the state (and at stage 3 of the weights) per device from the first
 allocation on, and move the bytes ZeRO's analysis predicts."""
 
 import functools
+import json
 import math
 import os
 import subprocess
 import sys
+import types
 
 import keras
 import numpy as np
@@ -15,33 +17,19 @@ import pytest
 import dp_common
 import tfpar
 import tp_common
-from zero_common import accumulation_run
-from zero_common import adam_run
 from zero_common import assert_same_training
 from zero_common import data_parallel
 from zero_common import model_under
+from zero_common import OPTIMIZERS
+from zero_common import record_created_variables
 from zero_common import STOCK_MIRRORED_SCRIPT
 
 STAGES = (1, 2, 3)
-OPTIMIZERS = {
-    "sgd_momentum_clipnorm": lambda: keras.optimizers.SGD(
-        0.05, momentum=0.9, clipnorm=0.5),
-    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
-        0.01, global_clipnorm=1.0),
-    "adamw_weight_decay": lambda: keras.optimizers.AdamW(
-        0.01, weight_decay=0.1),
-    "rmsprop_clipvalue": lambda: keras.optimizers.RMSprop(
-        0.005, momentum=0.5, clipvalue=0.1),
-    "adagrad": lambda: keras.optimizers.Adagrad(0.05),
-    "nadam": lambda: keras.optimizers.Nadam(0.01),
-    "adamax": lambda: keras.optimizers.Adamax(0.01),
-    "lion": lambda: keras.optimizers.Lion(0.003),
-    "adam_accumulation_clipnorm": lambda: keras.optimizers.Adam(
-        0.01, clipnorm=0.5, gradient_accumulation_steps=2),
-}
-# 40 batches: 20 updates even with gradient_accumulation_steps=2.
-EPOCHS = 5
-
+# Runs compared with one device train dp_common.EPOCHS (3) epochs of 8
+# batches: 12 updates even with gradient_accumulation_steps=2.
+ACCUMULATING = "adam_accumulation_clipnorm"
+# Moves only ZeRO's own collectives (clipping would add an all-reduce).
+ELEMENTWISE = "adamw_weight_decay"
 
 # Runs shared by the tests that check different things of the same run
 # (each made on first use, once per module).
@@ -54,31 +42,46 @@ def one_device():
   def run(name):
     x, y = dp_common.make_data()
     reference = model_under(OPTIMIZERS[name])
-    return reference, dp_common.fit(reference, x, y, epochs=EPOCHS)["loss"]
+    return reference, dp_common.fit(reference, x, y)["loss"]
   return run
 
 
 @pytest.fixture(scope="module")
-def adam_runs():
-  """stage (None: no ZeRO) -> zero_common.adam_run(stage)."""
-  return functools.cache(adam_run)
+def zero_runs():
+  """(name, stage) -> that optimizer under data parallelism with ZeRO at
+  `stage`, fitted under a CommunicationLog: the model, its epoch losses,
+  the log and the (name, shape) of every variable the fit created."""
+  @functools.cache
+  def run(name, stage):
+    x, y = dp_common.make_data()
+    model = model_under(OPTIMIZERS[name], data_parallel())
+    with pytest.MonkeyPatch.context() as monkeypatch:
+      created = record_created_variables(monkeypatch)
+      with tfpar.CommunicationLog() as log:
+        losses = dp_common.fit_one_iterator(
+            model, x, y, callbacks=[tfpar.ZeRO(stage=stage)])["loss"]
+    return types.SimpleNamespace(model=model, losses=losses, log=log,
+                                 created=created)
+  return run
 
 
 @pytest.fixture(scope="module")
-def accumulation_runs():
-  """stage -> zero_common.accumulation_run(stage)."""
-  return functools.cache(accumulation_run)
+def plain_adam():
+  """Adam(0.01) under data parallelism fitted one epoch without ZeRO."""
+  x, y = dp_common.make_data()
+  model = model_under(lambda: keras.optimizers.Adam(0.01), data_parallel())
+  dp_common.fit(model, x, y, epochs=1)
+  return model
 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_every_stage_trains_like_one_device(name, stage, one_device):
-  x, y = dp_common.make_data()
+def test_every_stage_trains_like_one_device(name, stage, one_device,
+                                            zero_runs):
   reference, expected = one_device(name)
-  model = model_under(OPTIMIZERS[name], data_parallel())
-  losses = dp_common.fit_one_iterator(
-      model, x, y, epochs=EPOCHS, callbacks=[tfpar.ZeRO(stage=stage)])["loss"]
-  assert_same_training(model, reference, losses, expected)
+  run = zero_runs(name, stage)
+  model = run.model
+  assert_same_training(model, reference, run.losses, expected)
   # The state really is sliced: every slot holds 1/4 of its weight.
   sizes = {math.ceil(np.prod(w.shape) / 4) for w in reference.weights}
   slots = [v for v in model.optimizer.variables
@@ -90,20 +93,22 @@ def test_every_stage_trains_like_one_device(name, stage, one_device):
     assert len(slot.value.values) == 4 and slot.shape[0] in sizes
 
 
-def test_every_stage_under_stock_mirrored_strategy():
+def test_every_stage_under_stock_mirrored_strategy(one_device):
   # Stock MirroredStrategy instances of one process share collective keys
   # (tfpar's strategies do not), so this runs in a process of its own.
+  reference, expected = one_device("adam_global_clipnorm")
   run = subprocess.run(
       [sys.executable, "-c", STOCK_MIRRORED_SCRIPT,
        os.path.dirname(__file__)],
       capture_output=True, text=True, timeout=400)
   assert run.returncode == 0, run.stderr[-3000:]
-  lines = [line.split(" ", 3) for line in run.stdout.strip().splitlines()]
-  assert [line[0] for line in lines] == ["1", "2", "3"]
-  for _, loss_difference, weight_difference, slot_shape in lines:
-    assert float(loss_difference) < 1e-5
-    assert float(weight_difference) < 1e-5
-    assert slot_shape == "(1,)"  # The 1-element bias's velocity / 4.
+  results = [json.loads(line) for line in run.stdout.strip().splitlines()]
+  assert [result["stage"] for result in results] == [1, 2, 3]
+  for result in results:
+    assert max(abs(a - b) for a, b in zip(result["losses"], expected)) < 1e-5
+    assert max(float(np.max(np.abs(np.array(a) - b))) for a, b in
+               zip(result["weights"], reference.get_weights())) < 1e-5
+    assert result["slot_shape"] == [1]  # The 1-element bias's velocity / 4.
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +148,8 @@ def test_under_tensor_parallelism_slices_each_shard(
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_full_size_state_is_never_allocated(stage, accumulation_runs):
-  run = accumulation_runs(stage)
+def test_full_size_state_is_never_allocated(stage, zero_runs):
+  run = zero_runs(ACCUMULATING, stage)
   model, created = run.model, run.created
   sizes = {w.path.replace("/", "_"): math.ceil(np.prod(w.shape) / 4)
            for w in model.trainable_variables}
@@ -159,13 +164,12 @@ def test_full_size_state_is_never_allocated(stage, accumulation_runs):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_bytes_per_device_follow_the_zero_formulas(stage, adam_runs,
-                                                   accumulation_runs):
+def test_bytes_per_device_follow_the_zero_formulas(stage, plain_adam,
+                                                   zero_runs):
   # (Keras alone cannot accumulate gradients under a tf.distribute
   # strategy: its accumulation calls merge_call inside tf.cond.)
-  plain = adam_runs(None).model  # Plain Adam, no ZeRO.
-  model = accumulation_runs(stage).model
-  before, after = tfpar.memory_report(plain), tfpar.memory_report(model)
+  model = zero_runs(ACCUMULATING, stage).model
+  before, after = tfpar.memory_report(plain_adam), tfpar.memory_report(model)
   counters = 8 + 4  # int64 iteration and float32 learning rate.
   whole = sum(4 * int(np.prod(w.shape)) for w in model.trainable_variables)
   sliced = sum(4 * math.ceil(np.prod(w.shape) / 4)
@@ -188,9 +192,9 @@ def test_bytes_per_device_follow_the_zero_formulas(stage, adam_runs,
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_collective_bytes_match_zero_analysis(stage, adam_runs):
-  model = adam_runs(stage).model
-  moved = adam_runs(stage).log.bytes()
+def test_collective_bytes_match_zero_analysis(stage, zero_runs):
+  model = zero_runs(ELEMENTWISE, stage).model
+  moved = zero_runs(ELEMENTWISE, stage).log.bytes()
   # Plain data parallelism: a ring all-reduce sends 2 (N - 1) / N of the
   # gradients from each device.
   parameters = sum(int(np.prod(w.shape)) for w in model.trainable_variables)
@@ -209,24 +213,11 @@ def test_collective_bytes_match_zero_analysis(stage, adam_runs):
     assert ratio == pytest.approx(1.5, abs=0.01)
 
 
-def _adam_accumulating():
-  return keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
-
-
-@pytest.fixture(scope="module")
-def accumulating_reference():
-  """Adam with gradient accumulation on one device: (model, losses)."""
-  x, y = dp_common.make_data()
-  reference = model_under(_adam_accumulating)
-  return reference, dp_common.fit(reference, x, y)["loss"]
-
-
 @pytest.mark.parametrize("stage", STAGES)
-def test_cpu_offload_keeps_state_and_update_on_the_host(
-    stage, accumulating_reference):
+def test_cpu_offload_keeps_state_and_update_on_the_host(stage, one_device):
   x, y = dp_common.make_data()
-  reference, expected = accumulating_reference
-  model = model_under(_adam_accumulating, data_parallel())
+  reference, expected = one_device(ACCUMULATING)
+  model = model_under(OPTIMIZERS[ACCUMULATING], data_parallel())
   losses = dp_common.fit_one_iterator(
       model, x, y, callbacks=[tfpar.ZeRO(stage=stage, offload="cpu")])["loss"]
   assert_same_training(model, reference, losses, expected)
@@ -241,9 +232,9 @@ def test_cpu_offload_keeps_state_and_update_on_the_host(
   assert len({c.device for c in model.weights[0].value.values}) == 4
 
 
-def test_stage3_weights_read_whole_outside_replicas(adam_runs):
+def test_stage3_weights_read_whole_outside_replicas(zero_runs):
   x, _ = dp_common.make_data()
-  model = adam_runs(3).model  # Changed below: no later test reads it.
+  model = zero_runs(ELEMENTWISE, 3).model  # Changed below: read no later.
   kernel = model.layers[0].kernel
   assert [c.shape[0] for c in kernel.value.values] == [64] * 4
   assert kernel.numpy().shape == (8, 32)
@@ -292,11 +283,12 @@ def test_unshardable_set_ups_are_refused(make, compile_kwargs, message):
     dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=2)])
 
 
-def test_built_optimizer_and_optimizer_outside_scope_are_refused(adam_runs):
+def test_built_optimizer_and_optimizer_outside_scope_are_refused(
+    plain_adam):
   x, y = dp_common.make_data()
-  model = adam_runs(None).model  # Fitted without ZeRO: optimizer built.
   with pytest.raises(ValueError, match="needs optimizer .* unbuilt"):
-    dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=1)])
+    dp_common.fit(plain_adam, x, y, epochs=1,
+                  callbacks=[tfpar.ZeRO(stage=1)])
   optimizer = keras.optimizers.Adam(0.01)
   with data_parallel().scope():
     model = dp_common.build_model()
@@ -306,9 +298,9 @@ def test_built_optimizer_and_optimizer_outside_scope_are_refused(adam_runs):
     dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=1)])
 
 
-def test_changing_stage_between_fits_is_refused(adam_runs):
+def test_changing_stage_between_fits_is_refused(zero_runs):
   x, y = dp_common.make_data()
-  model = adam_runs(2).model  # Fitted once with ZeRO(stage=2).
+  model = zero_runs(ELEMENTWISE, 2).model  # Fitted once with ZeRO(stage=2).
   dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=2)])
   with pytest.raises(ValueError, match="cannot change to stage=3"):
     dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=3)])

@@ -14,7 +14,6 @@ import sys
 import textwrap
 
 import pytest
-import tensorflow as tf
 from tensorflow.python.distribute import cross_device_utils
 
 import dp_common
@@ -24,7 +23,7 @@ from zero_common import data_parallel
 EPOCHS = 3
 
 
-def _keys_per_epoch(stage, monkeypatch):
+def _keys_per_epoch(stage):
   """New collective instance keys per epoch once training runs steadily."""
   handed_out = []
   original = cross_device_utils.CollectiveKeys.get_instance_key
@@ -32,29 +31,36 @@ def _keys_per_epoch(stage, monkeypatch):
   def counting(self, *args, **kwargs):
     handed_out.append(None)
     return original(self, *args, **kwargs)
-  monkeypatch.setattr(cross_device_utils.CollectiveKeys, "get_instance_key",
-                      counting)
   strategy = data_parallel()
   with strategy.scope():
     model = dp_common.build_model()
   x, y = dp_common.make_data()
   callbacks = [tfpar.ZeRO(stage=stage)] if stage else []
   counts = []
-  for _ in range(EPOCHS):
-    before = len(handed_out)
-    dp_common.fit(model, x, y, epochs=1, callbacks=callbacks)
-    counts.append(len(handed_out) - before)
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    monkeypatch.setattr(cross_device_utils.CollectiveKeys,
+                        "get_instance_key", counting)
+    for _ in range(EPOCHS):
+      before = len(handed_out)
+      dp_common.fit(model, x, y, epochs=1, callbacks=callbacks)
+      counts.append(len(handed_out) - before)
   return counts[1:]  # The first epoch traces the step.
+
+
+@pytest.fixture(scope="module")
+def plain_keys():
+  """_keys_per_epoch of plain data parallelism, the stages' yardstick."""
+  return _keys_per_epoch(None)
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))
 def test_zero_takes_no_more_collective_keys_than_data_parallelism(
-    stage, monkeypatch):
-  plain = _keys_per_epoch(None, monkeypatch)
-  zero = _keys_per_epoch(stage, monkeypatch)
+    stage, plain_keys):
+  zero = _keys_per_epoch(stage)
   # Plain data parallelism: a few keys per step (gradients, loss, metrics).
-  assert all(count >= dp_common.STEPS_PER_EPOCH for count in plain), plain
-  assert all(count <= min(plain) for count in zero), (plain, zero)
+  assert all(count >= dp_common.STEPS_PER_EPOCH
+             for count in plain_keys), plain_keys
+  assert all(count <= min(plain_keys) for count in zero), (plain_keys, zero)
 
 
 SLOPE_SCRIPT = textwrap.dedent("""

@@ -1,30 +1,41 @@
-"""Models and strategies shared by the tfpar.ZeRO tests."""
-
-import types
+"""Models, optimizers and strategies shared by the tfpar.ZeRO tests."""
 
 import keras
 import numpy as np
-import pytest
 from tensorflow.python.ops import resource_variable_ops
 
 import dp_common
 import tfpar
 
+OPTIMIZERS = {
+    "sgd_momentum_clipnorm": lambda: keras.optimizers.SGD(
+        0.05, momentum=0.9, clipnorm=0.5),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
+        0.01, global_clipnorm=1.0),
+    "adamw_weight_decay": lambda: keras.optimizers.AdamW(
+        0.01, weight_decay=0.1),
+    "rmsprop_clipvalue": lambda: keras.optimizers.RMSprop(
+        0.005, momentum=0.5, clipvalue=0.1),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+    "lion": lambda: keras.optimizers.Lion(0.003),
+    "adam_accumulation_clipnorm": lambda: keras.optimizers.Adam(
+        0.01, clipnorm=0.5, gradient_accumulation_steps=2),
+}
 
 # Every stage under a new tf.distribute.MirroredStrategy, after another
-# stock strategy trained in the same process; prints per stage the
-# largest loss and weight differences from one device and the last slot's
-# shape. Run in a process of its own (argv[1]: the tests directory).
+# stock strategy trained in the same process; prints per stage a JSON line
+# of the epoch losses, the weights and the last slot's shape. Run in a
+# process of its own (argv[1]: the tests directory).
 STOCK_MIRRORED_SCRIPT = """
-import sys
+import json, sys
 sys.path.insert(0, sys.argv[1])
-import conftest, keras, numpy as np, tensorflow as tf
+import conftest, tensorflow as tf
 import dp_common, tfpar
-from zero_common import model_under
-make = lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0)
+from zero_common import model_under, OPTIMIZERS
+make = OPTIMIZERS["adam_global_clipnorm"]
 x, y = dp_common.make_data()
-reference = model_under(make)
-expected = dp_common.fit(reference, x, y)["loss"]
 devices = [f"/cpu:{i}" for i in range(4)]
 # A stock strategy trained earlier in the process (a notebook's first cell):
 # every stock MirroredStrategy takes the same collective keys.
@@ -33,10 +44,9 @@ for stage in (1, 2, 3):
   zero = model_under(make, tf.distribute.MirroredStrategy(devices))
   losses = dp_common.fit_one_iterator(zero, x, y,
                                       callbacks=[tfpar.ZeRO(stage=stage)])
-  print(stage, max(abs(a - b) for a, b in zip(losses["loss"], expected)),
-        max(float(np.max(np.abs(a - b))) for a, b in
-            zip(zero.get_weights(), reference.get_weights())),
-        tuple(zero.optimizer.variables[-1].shape))
+  print(json.dumps({"stage": stage, "losses": losses["loss"],
+                    "weights": [w.tolist() for w in zero.get_weights()],
+                    "slot_shape": list(zero.optimizer.variables[-1].shape)}))
 """
 
 
@@ -61,7 +71,7 @@ def assert_same_training(model, reference, losses, expected):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def _record_created_variables(monkeypatch):
+def record_created_variables(monkeypatch):
   """Records (name, shape) of every tf variable created, however made."""
   created = []
   original = resource_variable_ops.ResourceVariable.__init__
@@ -72,27 +82,3 @@ def _record_created_variables(monkeypatch):
   monkeypatch.setattr(resource_variable_ops.ResourceVariable, "__init__",
                       record)
   return created
-
-
-def adam_run(stage):
-  """Adam(0.01) under data parallelism fitted one epoch with ZeRO at
-  `stage` (None: no ZeRO), under a CommunicationLog: (model, log)."""
-  x, y = dp_common.make_data()
-  model = model_under(lambda: keras.optimizers.Adam(0.01), data_parallel())
-  callbacks = [tfpar.ZeRO(stage=stage)] if stage else []
-  with tfpar.CommunicationLog() as log:
-    dp_common.fit(model, x, y, epochs=1, callbacks=callbacks)
-  return types.SimpleNamespace(model=model, log=log)
-
-
-def accumulation_run(stage):
-  """Adam with gradient_accumulation_steps=2 under data parallelism fitted
-  one epoch with ZeRO at `stage`: the model and the (name, shape) of every
-  variable the fit created."""
-  x, y = dp_common.make_data()
-  model = model_under(lambda: keras.optimizers.Adam(
-      0.01, gradient_accumulation_steps=2), data_parallel())
-  with pytest.MonkeyPatch.context() as monkeypatch:
-    created = _record_created_variables(monkeypatch)
-    dp_common.fit(model, x, y, epochs=1, callbacks=[tfpar.ZeRO(stage=stage)])
-  return types.SimpleNamespace(model=model, created=created)
