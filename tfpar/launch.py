@@ -3,9 +3,11 @@
 Starts one process per worker with a correct `TF_CONFIG` on free ports of
 the loopback interface, streams their output with a `[worker i]` prefix,
 stops every worker as soon as one fails (and exits with its code), forwards
-Ctrl-C, SIGTERM and SIGHUP, and stops everything after a timeout. Workers
-never outlive the launcher, even when it is killed with SIGKILL (see
-`tfpar.lifetime` and `tfpar.netns`). With `--recipe NAME` the
+Ctrl-C, SIGTERM and SIGHUP, and stops everything after a timeout. A worker
+that saved for a preemption and exited 143 (`tfpar.preemption`) leaves the
+others, which save the same step, up to `PREEMPTED_GRACE_SECONDS` to exit
+too. Workers never outlive the launcher, even when it is killed with
+SIGKILL (see `tfpar.lifetime` and `tfpar.netns`). With `--recipe NAME` the
 workers' `tfpar.from_recipe()` builds that recipe's strategy.
 """
 
@@ -26,10 +28,12 @@ from tfpar.environment import DEVICES_PER_WORKER_ENV
 from tfpar.ports import free_ports  # pylint: disable=unused-import
 from tfpar.recipes import files as recipe_files
 
-# Read by tfpar.local_devices in each worker (kept here so that the launcher
-# does not import TensorFlow).
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
+# tfpar.preemption.PREEMPTED_EXIT_CODE (the launcher does not import
+# TensorFlow): the other workers get PREEMPTED_GRACE_SECONDS to exit too.
+EXIT_PREEMPTED = 143
+PREEMPTED_GRACE_SECONDS = 30.0
 _GRACE_SECONDS = 5.0
 
 
@@ -151,10 +155,13 @@ def launch(config, out=None):
 
   Example:
 
-  >>> launch(LaunchConfig((sys.executable, "-c", "print('hi')"), workers=2))
-  [worker 0] hi
-  [worker 1] hi
+  >>> import io
+  >>> out = io.StringIO()
+  >>> launch(LaunchConfig((sys.executable, "-c", "print('hi')"), workers=2),
+  ...        out)
   0
+  >>> sorted(out.getvalue().splitlines())  # The workers run side by side.
+  ['[worker 0] hi', '[worker 1] hi']
   """
   out = out or sys.stdout
   if config.isolate_network:
@@ -209,24 +216,42 @@ def _run(commands, envs, prefixes, timeout, out, grace=_GRACE_SECONDS):
 
 
 def _supervise(processes, deadline, stop, out, lock):
+  failed = None  # The index of the first worker that failed.
+  grace_end = None
   while True:
     if stop.received is not None:
       name = signal.Signals(stop.received).name
       _say(out, lock, f"tfpar launch: got {name}; stopping workers")
       return 128 + stop.received  # 130 for SIGINT, 143 for SIGTERM.
     codes = [p.poll() for p in processes]
-    for index, code in enumerate(codes):
-      if code not in (None, 0):
-        if len(processes) > 1:
-          _say(out, lock, f"tfpar launch: worker {index} exited with code "
+    if failed is None:
+      failed = next((index for index, code in enumerate(codes)
+                     if code not in (None, 0)), None)
+      if failed is not None and _saving(codes[failed], codes):
+        _say(out, lock, f"tfpar launch: worker {failed} was preempted; "
+             f"waiting up to {PREEMPTED_GRACE_SECONDS:.0f} s for the others "
+             "to save and exit")
+        grace_end = time.monotonic() + PREEMPTED_GRACE_SECONDS
+    if failed is not None:
+      code = codes[failed]
+      if not (_saving(code, codes) and time.monotonic() < grace_end):
+        if None in codes:
+          _say(out, lock, f"tfpar launch: worker {failed} exited with code "
                f"{code}; stopping the other workers")
         return code if code > 0 else 128 - code
-    if all(code == 0 for code in codes):
+    elif all(code == 0 for code in codes):
       return 0
     if deadline is not None and time.monotonic() > deadline:
       _say(out, lock, "tfpar launch: timed out; stopping workers")
       return EXIT_TIMEOUT
     stop.wait(0.05)
+
+
+def _saving(code, codes):
+  """Whether a worker that exited with `code` was preempted while others,
+  which save the same step (`tfpar.preemption`), still run."""
+  return (code == EXIT_PREEMPTED and None in codes and
+          all(other in (None, EXIT_PREEMPTED) for other in codes))
 
 
 def _pump(stream, prefix, out, lock):
