@@ -1,7 +1,10 @@
 """DataParallelStrategy across 2 TF_CONFIG workers x 2 virtual CPUs.
 
 The workers are real processes started by `tfpar launch` on loopback ports;
-their results are compared with one-device training in this process.
+their results are compared with one-device training in this process. Each
+launch runs several scenarios in order (module fixtures shared by the
+tests), so that the workers pay TensorFlow's start and the cluster's
+connection once for all of them.
 """
 
 import json
@@ -17,20 +20,70 @@ import stock_strategies
 
 TOLERANCE = 1e-5
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "dp_worker.py")
-LAUNCH_TIMEOUT = 240
+LAUNCH_TIMEOUT = 600  # Seconds for one launch of up to 5 fits.
 
 
-def _launch(*args, workers=2):
+def _launch(out_dir, *scenarios, workers=2):
+  """One `tfpar launch` whose workers run `scenarios` in order (see
+  dp_worker.py)."""
   command = [sys.executable, "-m", "tfpar", "launch", "--workers", str(workers),
              "--devices-per-worker", "2", "--timeout", str(LAUNCH_TIMEOUT),
-             WORKER, *args]
+             WORKER, str(out_dir), *scenarios]
   return subprocess.run(command, capture_output=True, text=True,
                         timeout=LAUNCH_TIMEOUT + 60)
 
 
-def _results(out_dir, workers=2):
-  return [json.load(open(os.path.join(out_dir, f"worker{i}.json")))
-          for i in range(workers)]
+def _results(out_dir, scenario, run, workers=2):
+  paths = [os.path.join(out_dir, f"{scenario}_worker{i}.json")
+           for i in range(workers)]
+  assert all(map(os.path.exists, paths)), run.stdout[-4000:]
+  return [json.load(open(path)) for path in paths]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("dp_workers")
+
+
+@pytest.fixture(scope="module")
+def fits(out_dir):
+  """Fits of every kind, each equal to one-device training."""
+  return _launch(out_dir, "plain", "zero2,zero_stage=2",
+                 "accumulate,accumulate=2",
+                 "mixed_float16,policy=mixed_float16",
+                 "mixed_bfloat16,policy=mixed_bfloat16")
+
+
+# A chain of launches: a crash or a preemption ends each one, and the next
+# one resumes from its backup before its own interruption.
+@pytest.fixture(scope="module")
+def crashed(out_dir):
+  """Worker 1 dies in epoch 2 of a backed-up fit."""
+  return _launch(out_dir, "crashed,backup=backup,die_in_epoch=2")
+
+
+@pytest.fixture(scope="module")
+def resumed(out_dir, crashed):
+  """The crashed fit resumes; then worker 1 dies in a ZeRO-3 fit."""
+  del crashed  # It made the backup.
+  return _launch(out_dir, "resumed,backup=backup",
+                 "zero3_crashed,zero_stage=3,backup=zero3_backup,"
+                 "die_in_epoch=2")
+
+
+@pytest.fixture(scope="module")
+def zero3_resumed(out_dir, resumed):
+  """The ZeRO-3 fit resumes; then SIGTERM to worker 1 in epoch 1."""
+  del resumed  # It made the backup.
+  return _launch(out_dir, "zero3_resumed,zero_stage=3,backup=zero3_backup",
+                 "preempted,backup=preempt_backup,preempt_in_epoch=1")
+
+
+@pytest.fixture(scope="module")
+def preempt_resumed(out_dir, zero3_resumed):
+  """The preempted fit resumes."""
+  del zero3_resumed  # It made the backup.
+  return _launch(out_dir, "preempt_resumed,backup=preempt_backup")
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +113,10 @@ def _assert_matches_reference(result, reference, epochs=slice(None)):
     np.testing.assert_allclose(got, want, atol=TOLERANCE)
 
 
-def test_two_workers_fit_equals_one_device(tmp_path, reference):
-  run = _launch(str(tmp_path))
-  assert run.returncode == 0, run.stdout[-4000:]
-  assert "[worker 0]" in run.stdout and "[worker 1]" in run.stdout
-  results = _results(tmp_path)
+def test_two_workers_fit_equals_one_device(out_dir, fits, reference):
+  assert fits.returncode == 0, fits.stdout[-4000:]
+  assert "[worker 0]" in fits.stdout and "[worker 1]" in fits.stdout
+  results = _results(out_dir, "plain", fits)
   assert [r["num_replicas"] for r in results] == [4, 4]
   assert results[1]["local_devices"] == [
       "/job:worker/replica:0/task:1/device:CPU:0",
@@ -76,24 +128,23 @@ def test_two_workers_fit_equals_one_device(tmp_path, reference):
   assert results[0]["history"] == results[1]["history"]
 
   # Weights saved by the chief load into a model with no strategy.
-  _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
+  _assert_checkpoint_holds(str(out_dir / "plain.weights.h5"), reference)
 
 
-def test_killed_worker_resumes_from_backup(tmp_path, reference):
-  backup = str(tmp_path / "backup")
-  crashed = _launch(str(tmp_path), "--backup", backup, "--die-in-epoch", "2")
+def test_killed_worker_resumes_from_backup(out_dir, crashed, resumed,
+                                           reference):
   assert crashed.returncode == 17, crashed.stdout[-4000:]
   assert "worker 1 exited with code 17" in crashed.stdout
-  assert sorted(os.listdir(backup + "_ckpt")) == ["e1.weights.h5",
-                                                  "e2.weights.h5"]
-  assert not os.path.exists(tmp_path / "worker0.json")
+  assert sorted(os.listdir(out_dir / "crashed_ckpt")) == ["e1.weights.h5",
+                                                          "e2.weights.h5"]
+  assert not os.path.exists(out_dir / "crashed_worker0.json")
 
-  resumed = _launch(str(tmp_path), "--backup", backup)
-  assert resumed.returncode == 0, resumed.stdout[-4000:]
-  for result in _results(tmp_path):
+  # 17: the ZeRO-3 fit that follows the resumed one in the launch crashed.
+  assert resumed.returncode == 17, resumed.stdout[-4000:]
+  for result in _results(out_dir, "resumed", resumed):
     assert len(result["history"]["loss"]) == 1  # Resumed at the third epoch.
     _assert_matches_reference(result, reference, epochs=slice(2, 3))
-  assert not os.path.exists(backup)  # The chief cleaned up after success.
+  assert not os.path.exists(out_dir / "backup")  # The chief cleaned up.
 
 
 def _assert_checkpoint_holds(path, reference):
@@ -110,44 +161,39 @@ def _assert_checkpoint_holds(path, reference):
                                err_msg=got.path)
 
 
-def test_killed_zero3_worker_resumes_and_saves_whole_state(tmp_path,
-                                                          reference):
+def test_killed_zero3_worker_resumes_and_saves_whole_state(
+    out_dir, resumed, zero3_resumed, reference):
   """ZeRO-3 over 2 workers: each holds half of the weights and of Adam's
   state, yet backups, checkpoints and the final save hold whole tensors,
   and a killed job resumes from them."""
-  backup = str(tmp_path / "backup")
-  crashed = _launch(str(tmp_path), "--zero-stage", "3", "--backup", backup,
-                    "--die-in-epoch", "2")
-  assert crashed.returncode == 17, crashed.stdout[-4000:]
-  assert sorted(os.listdir(backup + "_ckpt")) == ["e1.weights.h5",
-                                                  "e2.weights.h5"]
-  resumed = _launch(str(tmp_path), "--zero-stage", "3", "--backup", backup)
-  assert resumed.returncode == 0, resumed.stdout[-4000:]
-  for result in _results(tmp_path):
+  assert resumed.returncode == 17, resumed.stdout[-4000:]
+  assert sorted(os.listdir(out_dir / "zero3_crashed_ckpt")) == [
+      "e1.weights.h5", "e2.weights.h5"]
+  # 143: the fit that follows the resumed one in the launch was preempted.
+  assert zero3_resumed.returncode == 143, zero3_resumed.stdout[-4000:]
+  for result in _results(out_dir, "zero3_resumed", zero3_resumed):
     assert len(result["history"]["loss"]) == 1  # Resumed at the third epoch.
     _assert_matches_reference(result, reference, epochs=slice(2, 3))
     # Adam's moments of the 8 x 32 kernel: 256 / 4 replicas per device.
     assert [64] in result["optimizer_shapes"]
-  _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
+  _assert_checkpoint_holds(str(out_dir / "zero3_resumed.weights.h5"),
+                           reference)
 
 
-def test_sigterm_saves_and_resumes_at_the_exact_step(tmp_path, reference):
+def test_sigterm_saves_and_resumes_at_the_exact_step(
+    out_dir, zero3_resumed, preempt_resumed, reference):
   """SIGTERM to worker 1 before batch 3 of epoch 1: every worker backs up
   the same step and exits 143; the relaunch resumes at the next batch and
   ends with the weights of an uninterrupted run."""
-  backup = str(tmp_path / "backup")
-  preempted = _launch(str(tmp_path), "--backup", backup,
-                      "--preempt-in-epoch", "1")
+  preempted = zero3_resumed
   assert preempted.returncode == 143, preempted.stdout[-4000:]
   assert "[worker 0] tfpar: preempted (SIGTERM); saved" in preempted.stdout
   assert "[worker 1] tfpar: preempted (SIGTERM); saved" in preempted.stdout
-  with open(os.path.join(backup, "training_metadata.json")) as f:
-    metadata = json.load(f)
-  # Announced after batch 3 (the step it was in), saved after batch 4.
-  assert (metadata["epoch"], metadata["tfpar_batches_done"]) == (1, 5)
-  resumed = _launch(str(tmp_path), "--backup", backup)
-  assert resumed.returncode == 0, resumed.stdout[-4000:]
-  for result in _results(tmp_path):
+  assert preempt_resumed.returncode == 0, preempt_resumed.stdout[-4000:]
+  for result in _results(out_dir, "preempt_resumed", preempt_resumed):
+    metadata = result["resumed_from"]
+    # Announced after batch 3 (the step it was in), saved after batch 4.
+    assert (metadata["epoch"], metadata["tfpar_batches_done"]) == (1, 5)
     # The rest of epoch 1 (its loss averages its last 3 batches), epoch 2.
     assert len(result["history"]["loss"]) == 2
     np.testing.assert_allclose(result["history"]["loss"][1],
@@ -155,32 +201,34 @@ def test_sigterm_saves_and_resumes_at_the_exact_step(tmp_path, reference):
                                atol=TOLERANCE)
     for got, want in zip(result["weights"], reference["weights"]):
       np.testing.assert_allclose(got, want, atol=TOLERANCE)
-  _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
+  _assert_checkpoint_holds(str(out_dir / "preempt_resumed.weights.h5"),
+                           reference)
 
 
 def test_single_task_tf_config_job(tmp_path, reference):
-  run = _launch(str(tmp_path), workers=1)
+  run = _launch(tmp_path, "plain", workers=1)
   assert run.returncode == 0, run.stdout[-4000:]
-  (result,) = _results(tmp_path, workers=1)
+  (result,) = _results(tmp_path, "plain", run, workers=1)
   assert result["num_replicas"] == 2
-  assert result["local_devices"][0] == "/job:worker/replica:0/task:0/device:CPU:0"
+  assert result["local_devices"][0] == (
+      "/job:worker/replica:0/task:0/device:CPU:0")
   _assert_matches_reference(result, reference)
 
 
-def test_two_workers_with_zero_stage2_equal_one_device(tmp_path, reference):
-  run = _launch(str(tmp_path), "--zero-stage", "2")
-  assert run.returncode == 0, run.stdout[-4000:]
-  results = _results(tmp_path)
+def test_two_workers_with_zero_stage2_equal_one_device(out_dir, fits,
+                                                       reference):
+  assert fits.returncode == 0, fits.stdout[-4000:]
+  results = _results(out_dir, "zero2", fits)
   for result in results:
     _assert_matches_reference(result, reference)
     # Adam's moments of the 8 x 32 kernel: 256 / 4 replicas per device.
     assert [64] in result["optimizer_shapes"]
     assert [8, 32] not in result["optimizer_shapes"]
   assert results[0]["weights"] == results[1]["weights"]
-  _assert_checkpoint_holds(str(tmp_path / "weights.weights.h5"), reference)
+  _assert_checkpoint_holds(str(out_dir / "zero2.weights.h5"), reference)
 
 
-def test_two_workers_accumulating_gradients_equal_one_device(tmp_path):
+def test_two_workers_accumulating_gradients_equal_one_device(out_dir, fits):
   x, y = dp_common.make_data()
   model = dp_common.build_model(gradient_accumulation_steps=2)
   history = dp_common.fit(model, x, y, validation_data=(x[:64], y[:64]))
@@ -190,16 +238,15 @@ def test_two_workers_accumulating_gradients_equal_one_device(tmp_path):
       "predict": model.predict(x[:100], batch_size=32, verbose=0),
       "weights": model.get_weights(),
   }
-  run = _launch(str(tmp_path), "--accumulate", "2")
-  assert run.returncode == 0, run.stdout[-4000:]
-  results = _results(tmp_path)
+  assert fits.returncode == 0, fits.stdout[-4000:]
+  results = _results(out_dir, "accumulate", fits)
   for result in results:
     _assert_matches_reference(result, reference)
   assert results[0]["weights"] == results[1]["weights"]
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_two_workers_under_a_mixed_policy_train_like_mirrored(tmp_path,
+def test_two_workers_under_a_mixed_policy_train_like_mirrored(out_dir, fits,
                                                               policy):
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -214,13 +261,12 @@ def test_two_workers_under_a_mixed_policy_train_like_mirrored(tmp_path,
     mirrored_history = dp_common.fit(mirrored, x, y)
   finally:
     keras.mixed_precision.set_global_policy("float32")
-  run = _launch(str(tmp_path), "--policy", policy)
-  assert run.returncode == 0, run.stdout[-4000:]
+  assert fits.returncode == 0, fits.stdout[-4000:]
   spread_loss = np.abs(np.subtract(mirrored_history["loss"],
                                    history["loss"])).max()
   spread_weights = max(np.abs(a - b).max() for a, b in zip(
       mirrored.get_weights(), reference.get_weights()))
-  for result in _results(tmp_path):
+  for result in _results(out_dir, policy, fits):
     loss = np.abs(np.subtract(result["history"]["loss"],
                               history["loss"])).max()
     weights = max(np.abs(np.array(a) - b).max() for a, b in zip(

@@ -1,14 +1,23 @@
 """Worker script for the multi-worker tests, run by `tfpar launch`.
 
-Trains `dp_common`'s model with DataParallelStrategy on the TF_CONFIG mesh
-and writes what each worker saw to `<out_dir>/worker<i>.json`.
+Trains `dp_common`'s model with one DataParallelStrategy on the TF_CONFIG
+mesh once per scenario, in order, so that several scenarios pay
+TensorFlow's start and the cluster's connection once. Each scenario writes
+what each worker saw to `OUT_DIR/<name>_worker<i>.json` and the chief's
+weights to `OUT_DIR/<name>.weights.h5`.
 
-Usage: dp_worker.py OUT_DIR [--backup DIR] [--die-in-epoch N]
-                    [--preempt-in-epoch N] [--zero-stage S] [--accumulate K]
-                    [--policy NAME]
+Usage: dp_worker.py OUT_DIR SCENARIO [SCENARIO ...]
+  SCENARIO: NAME[,OPTION=VALUE ...], with the options
+    backup=DIR: `tfpar.BackupAndRestore` in `OUT_DIR/DIR` (the JSON
+      records the backup's metadata it resumed from, or None), and
+      `tfpar.ModelCheckpoint` of every epoch in `OUT_DIR/<NAME>_ckpt`;
+    die_in_epoch=N: worker 1 exits with code 17 before batch 3 of epoch N;
+    preempt_in_epoch=N: SIGTERM to worker 1 before batch 3 of epoch N;
+    zero_stage=S: `tfpar.ZeRO(stage=S)`;
+    accumulate=K: Adam accumulates gradients over K batches;
+    policy=NAME: the Keras mixed precision policy.
 """
 
-import argparse
 import json
 import os
 import signal
@@ -17,10 +26,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # pylint: disable=g-import-not-at-top
-import numpy as np
 
 import dp_common
 import tfpar
+
+_INTEGER_OPTIONS = ("die_in_epoch", "preempt_in_epoch", "zero_stage",
+                    "accumulate")
 
 
 class DieInEpoch(keras.callbacks.Callback):
@@ -56,40 +67,54 @@ class PreemptInEpoch(keras.callbacks.Callback):
     self._epoch = epoch
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("out_dir")
-  parser.add_argument("--backup")
-  parser.add_argument("--die-in-epoch", type=int)
-  parser.add_argument("--preempt-in-epoch", type=int)
-  parser.add_argument("--zero-stage", type=int)
-  parser.add_argument("--accumulate", type=int)
-  parser.add_argument("--policy")
-  args = parser.parse_args()
+def _parse(scenario):
+  name, *options = scenario.split(",")
+  options = dict(option.split("=", 1) for option in options)
+  for key in _INTEGER_OPTIONS:
+    if key in options:
+      options[key] = int(options[key])
+  return name, options
 
-  if args.policy:
-    keras.mixed_precision.set_global_policy(args.policy)
-  mesh = tfpar.Mesh.from_cluster_resolver(data=-1)
-  strategy = tfpar.DataParallelStrategy(mesh)
+
+def _callbacks(out_dir, name, options):
+  callbacks = []
+  if "backup" in options:
+    callbacks += [
+        tfpar.BackupAndRestore(os.path.join(out_dir, options["backup"])),
+        tfpar.ModelCheckpoint(
+            os.path.join(out_dir, f"{name}_ckpt", "e{epoch}.weights.h5"),
+            save_weights_only=True)]
+  if "die_in_epoch" in options:
+    callbacks.append(DieInEpoch(options["die_in_epoch"]))
+  if "preempt_in_epoch" in options:
+    callbacks.append(PreemptInEpoch(options["preempt_in_epoch"]))
+  if "zero_stage" in options:
+    callbacks.append(tfpar.ZeRO(stage=options["zero_stage"]))
+  return callbacks
+
+
+def _backup_metadata(backup_dir):
+  """The metadata of the backup in `backup_dir` (None: no backup)."""
+  path = os.path.join(backup_dir, "training_metadata.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _run(strategy, out_dir, name, options):
+  keras.mixed_precision.set_global_policy(options.get("policy", "float32"))
   with strategy.scope():
     model = dp_common.build_model(
-        gradient_accumulation_steps=args.accumulate)
+        gradient_accumulation_steps=options.get("accumulate"))
   x, y = dp_common.make_data()
-  callbacks = []
-  if args.backup:
-    callbacks += [tfpar.BackupAndRestore(args.backup),
-                  tfpar.ModelCheckpoint(
-                      os.path.join(args.backup + "_ckpt", "e{epoch}.weights.h5"),
-                      save_weights_only=True)]
-  if args.die_in_epoch is not None:
-    callbacks.append(DieInEpoch(args.die_in_epoch))
-  if args.preempt_in_epoch is not None:
-    callbacks.append(PreemptInEpoch(args.preempt_in_epoch))
-  if args.zero_stage:
-    callbacks.append(tfpar.ZeRO(stage=args.zero_stage))
-  history = dp_common.fit(model, x, y, callbacks=callbacks,
+  resumed_from = (_backup_metadata(os.path.join(out_dir, options["backup"]))
+                  if "backup" in options else None)
+  history = dp_common.fit(model, x, y,
+                          callbacks=_callbacks(out_dir, name, options),
                           validation_data=(x[:64], y[:64]))
   result = {
+      "resumed_from": resumed_from,
       "num_replicas": strategy.num_replicas_in_sync,
       "local_devices": list(strategy.extended.worker_devices),
       "history": history,
@@ -102,10 +127,21 @@ def main():
   }
   # Every worker calls it; the chief writes (under ZeRO the workers gather
   # the optimizer state, and at stage 3 the weights, together).
-  tfpar.save_weights(model, os.path.join(args.out_dir, "weights.weights.h5"))
-  name = f"worker{mesh.cluster.task_id}.json"
-  with open(os.path.join(args.out_dir, name), "w") as f:
+  tfpar.save_weights(model, os.path.join(out_dir, f"{name}.weights.h5"))
+  task = strategy.mesh.cluster.task_id
+  path = os.path.join(out_dir, f"{name}_worker{task}.json")
+  with open(path, "w") as f:
     json.dump(result, f)
+
+
+def main():
+  out_dir, scenarios = sys.argv[1], [_parse(s) for s in sys.argv[2:]]
+  # One strategy for every scenario: a second one in a TF_CONFIG worker
+  # hangs, re-enabling TensorFlow's collective ops.
+  strategy = tfpar.DataParallelStrategy(
+      tfpar.Mesh.from_cluster_resolver(data=-1))
+  for name, options in scenarios:
+    _run(strategy, out_dir, name, options)
 
 
 if __name__ == "__main__":
