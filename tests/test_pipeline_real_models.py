@@ -244,18 +244,23 @@ def _microbatch_reference(name, data, batch, steps):
   parts = data * MICROBATCHES
 
   @tf.function
+  def micro_step(x, y):
+    """One micro-batch's loss and gradients (moving statistics updated):
+    traced once and called for every micro-batch."""
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True)) / parts
+    return loss, tape.gradient(loss, model.trainable_variables)
+
   def step(x, y):
     total, grads = 0.0, [tf.zeros_like(v) for v in model.trainable_variables]
+    xs, ys = tf.split(x, parts), tf.split(y, parts)
     for replica in range(data):
       kept = [tf.identity(v) for v in model.non_trainable_variables]
       for k in range(MICROBATCHES):
         index = replica * MICROBATCHES + k
-        xk, yk = tf.split(x, parts)[index], tf.split(y, parts)[index]
-        with tf.GradientTape() as tape:
-          loss = loss_fn(yk, model(xk, training=True)) / parts
+        loss, micro_grads = micro_step(xs[index], ys[index])
         total += loss
-        grads = [g + d for g, d in zip(
-            grads, tape.gradient(loss, model.trainable_variables))]
+        grads = [g + d for g, d in zip(grads, micro_grads)]
       if replica:
         for variable, value in zip(model.non_trainable_variables, kept):
           variable.assign(value)
