@@ -24,6 +24,11 @@ def _data2():
   return tfpar.Mesh({"data": 2}, devices=tfpar.Mesh().devices[:2])
 
 
+# The pipeline under 1F1B only: the schedule orders the same micro-batch
+# steps (tfpar/pipeline/steps.py scales and casts for both), and GPipe
+# measured the same differences to the last digit in both policies
+# (docs/precision_and_accumulation.md); test_pipeline proves each
+# schedule equal to one device in float32.
 LAYOUTS = {
     "data 2": lambda: (tfpar.DataParallelStrategy(_data2()), []),
     "data 2 x tensor 2": lambda: (tfpar.TensorParallelStrategy(
@@ -31,9 +36,6 @@ LAYOUTS = {
     "data 2 x tensor 2, sequence parallel": lambda: (
         tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2, "tensor": 2}),
                                      sequence_parallel=True), []),
-    "data 2 x pipeline 2, GPipe": lambda: (tfpar.PipelineParallelStrategy(
-        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2,
-        schedule="gpipe"), []),
     "data 2 x pipeline 2, 1F1B": lambda: (tfpar.PipelineParallelStrategy(
         tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2), []),
     "pipeline 2 x tensor 2": lambda: (tfpar.PipelineParallelStrategy(
