@@ -1,6 +1,8 @@
-"""How a layout trained under a mixed policy is held to one device: within
-the spread of stock MirroredStrategy against one device under the same
-policy, measured side by side (test_precision_matrix, the 3D worker).
+"""How a layout's training is compared with one device (`differences`, for
+every test that does), and how under a mixed policy it is held to one
+device: within the spread of stock MirroredStrategy against one device
+under the same policy, measured side by side (`assert_within_spread`:
+test_precision_matrix, the 3D worker).
 
 A tensor axis also changes the rounding of the forward pass itself: each
 device rounds its partial sums to the compute dtype before they are summed

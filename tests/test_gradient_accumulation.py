@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import collective_count
+import precision_common
 import stock_strategies
 import tfpar
 
@@ -59,10 +60,9 @@ def _one_device():
 
 
 def _difference(result, reference):
-  assert len(result[1]) == len(reference[1])
-  return (float(np.abs(result[0] - reference[0]).max()),
-          max(float(np.abs(a - b).max())
-              for a, b in zip(result[1], reference[1])))
+  """(largest loss difference, largest weight difference)."""
+  return precision_common.differences(result[0], result[1], reference[0],
+                                      reference[1])[:2]
 
 
 LAYOUTS = {

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import precision_common
 import stock_strategies
 import tfpar
 
@@ -74,9 +75,9 @@ def _one_device_and_mirrored(policy):
 
 
 def _difference(result, reference):
-  return (float(np.abs(result[0] - reference[0]).max()),
-          max(float(np.abs(a - b).max())
-              for a, b in zip(result[1], reference[1])))
+  """(largest loss difference, largest weight difference)."""
+  return precision_common.differences(result[0], result[1], reference[0],
+                                      reference[1])[:2]
 
 
 def test_mixed_float16_pipeline_within_the_spread_of_mirrored(mixed_float16):
