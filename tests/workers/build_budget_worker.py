@@ -17,8 +17,7 @@ import tfpar  # pylint: disable=g-import-not-at-top
 
 tfpar.configure_virtual_cpus(8)
 
-import numpy as np  # pylint: disable=g-import-not-at-top
-
+import precision_common  # pylint: disable=g-import-not-at-top
 import test_weights_created_in_place as weights_created_in_place  # pylint: disable=g-import-not-at-top
 import tp_common  # pylint: disable=g-import-not-at-top
 from variable_accounting import VariableAccounting  # pylint: disable=g-import-not-at-top
@@ -53,14 +52,15 @@ def compare(layout, reference, reference_losses):
       model = gpt()
     losses = train(model)
   weights = model.get_weights()
+  arrays = [len(weights), len(reference.get_weights())]
+  loss_diff, weight_diff = precision_common.differences(
+      losses, weights, reference_losses, reference.get_weights())[:2]
   return {
       "peak": dict(accounting.peak),
       "largest": accounting.largest,
-      "loss_diff": float(np.abs(np.asarray(losses) -
-                                np.asarray(reference_losses)).max()),
-      "weight_diff": max(float(np.abs(a - b).max()) for a, b in
-                         zip(weights, reference.get_weights())),
-      "arrays": [len(weights), len(reference.get_weights())],
+      "loss_diff": loss_diff,
+      "weight_diff": weight_diff,
+      "arrays": arrays,
   }
 
 
