@@ -24,7 +24,9 @@ ZeRO-2/3 (as tfpar.ZeRO slices them; on the host with offload).
 
 Tensor parallelism of degree t divides the split weights (and their
 gradients, slots and accumulators) by t; pipeline parallelism of degree p
-leaves each device one stage. CPU offload moves the optimizer state to host
+leaves each device one stage; expert parallelism of size e divides the
+expert weights of MoE layers (and their gradients and slots) by e
+(`experts.py`). CPU offload moves the optimizer state to host
 memory. Activations: see `activation_bytes`.
 """
 
@@ -57,16 +59,22 @@ class Layout:
       default 4p, the seeds' "at least 4x as many micro-batches as stages".
     schedule: "1f1b" (at most p micro-batches of activations alive) or
       "gpipe" (all m alive).
+    expert: expert-group size e: each MoE layer's experts split over
+      groups of e of the d replicas (`tfpar.ExpertParallelStrategy`), the
+      rest data-parallel; 1 for none.
 
   Raises:
     ValueError: a degree below 1, an unknown stage, offload or schedule,
-      offload without ZeRO, or recompute without a pipeline.
+      offload without ZeRO, recompute without a pipeline, or an expert size
+      that does not divide d or comes with tensor, pipeline or ZeRO.
 
   Example:
 
   >>> from tfpar.planner import Layout
   >>> Layout(data=2, tensor=2, zero=1).name
   'DP2 x TP2 + ZeRO-1'
+  >>> Layout(data=8, expert=4).name
+  'DP8 + EP4'
   """
   data: int = 1
   tensor: int = 1
@@ -76,9 +84,10 @@ class Layout:
   recompute: bool = False
   num_microbatches: Optional[int] = None
   schedule: str = "1f1b"
+  expert: int = 1
 
   def __post_init__(self):
-    for setting in ("data", "tensor", "pipeline"):
+    for setting in ("data", "tensor", "pipeline", "expert"):
       units.check_positive_int(getattr(self, setting), setting)
     units.check_choice(self.zero, "zero", (None, 1, 2, 3))
     units.check_choice(self.offload, "offload", (None, "cpu"))
@@ -94,6 +103,22 @@ class Layout:
           "pipeline >= 2. Received: recompute=True, pipeline=1.")
     if self.num_microbatches is not None:
       units.check_positive_int(self.num_microbatches, "num_microbatches")
+    if self.expert > 1:
+      self._check_expert()
+
+  def _check_expert(self):
+    if self.data % self.expert:
+      raise ValueError(
+          f"expert must divide data (the expert groups are carved out of "
+          f"the data replicas). Received: expert={self.expert}, "
+          f"data={self.data}.")
+    if self.tensor > 1 or self.pipeline > 1 or self.zero:
+      raise ValueError(
+          f"expert parallelism runs over the data axis alone: "
+          f"tfpar.ExpertParallelStrategy refuses tensor and pipeline axes, "
+          f"and ZeRO on top of it is untested. Received: expert="
+          f"{self.expert}, tensor={self.tensor}, pipeline={self.pipeline}, "
+          f"zero={self.zero}.")
 
   @property
   def devices(self):
@@ -109,13 +134,15 @@ class Layout:
 
   @property
   def name(self):
-    """E.g. "DP16 x TP4 + ZeRO-1" or "DP2 x PP2 + recompute"."""
+    """E.g. "DP16 x TP4 + ZeRO-1", "DP2 x PP2 + recompute", "DP8 + EP4"."""
     parts = [f"DP{self.data}"]
     if self.tensor > 1:
       parts.append(f"TP{self.tensor}")
     if self.pipeline > 1:
       parts.append(f"PP{self.pipeline}")
     name = " x ".join(parts)
+    if self.expert > 1:
+      name += f" + EP{self.expert}"
     if self.zero:
       name += f" + ZeRO-{self.zero}"
     if self.offload:
