@@ -206,13 +206,21 @@ def test_sigterm_saves_and_resumes_at_the_exact_step(
 
 
 def test_single_task_tf_config_job(tmp_path, reference):
-  run = _launch(tmp_path, "plain", workers=1)
+  """Then a strategy for another cluster in the same process is refused
+  (TF serves one cluster per process) before it starts anything."""
+  run = _launch(tmp_path, "plain", "other_cluster", workers=1)
   assert run.returncode == 0, run.stdout[-4000:]
   (result,) = _results(tmp_path, "plain", run, workers=1)
   assert result["num_replicas"] == 2
   assert result["local_devices"][0] == (
       "/job:worker/replica:0/task:0/device:CPU:0")
   _assert_matches_reference(result, reference)
+  with open(tmp_path / "other_cluster.json") as f:
+    other = json.load(f)
+  assert other["error"] is not None
+  assert "already runs TensorFlow's collective server as task 'worker:0'" in (
+      other["error"])
+  assert other["tf_config"]["cluster"]["worker"][0] in other["error"]
 
 
 def test_two_workers_with_zero_stage2_equal_one_device(out_dir, fits,

@@ -1,8 +1,9 @@
 """Worker script for the multi-worker tests, run by `tfpar launch`.
 
-Trains `dp_common`'s model with one DataParallelStrategy on the TF_CONFIG
-mesh once per scenario, in order, so that several scenarios pay
-TensorFlow's start and the cluster's connection once. Each scenario writes
+Trains `dp_common`'s model under a new DataParallelStrategy on the
+TF_CONFIG mesh for each scenario, in order, so that several scenarios pay
+TensorFlow's start and the cluster's connection once (and every strategy
+after the first reuses the process's collective server). Each scenario writes
 what each worker saw to `OUT_DIR/<name>_worker<i>.json` and the chief's
 weights to `OUT_DIR/<name>.weights.h5`.
 
@@ -16,6 +17,8 @@ Usage: dp_worker.py OUT_DIR SCENARIO [SCENARIO ...]
     zero_stage=S: `tfpar.ZeRO(stage=S)`;
     accumulate=K: Adam accumulates gradients over K batches;
     policy=NAME: the Keras mixed precision policy.
+  The scenario `other_cluster` instead writes `OUT_DIR/other_cluster.json`
+  with the error of a strategy for another TF_CONFIG (worker 0's port + 1).
 """
 
 import json
@@ -134,13 +137,30 @@ def _run(strategy, out_dir, name, options):
     json.dump(result, f)
 
 
+def _other_cluster(out_dir):
+  """Writes the error of a strategy for a TF_CONFIG other than the one this
+  process's collective server serves (None if there was none)."""
+  config = json.loads(os.environ["TF_CONFIG"])
+  host, port = config["cluster"]["worker"][0].rsplit(":", 1)
+  config["cluster"]["worker"][0] = f"{host}:{int(port) + 1}"
+  os.environ["TF_CONFIG"] = json.dumps(config)
+  try:
+    tfpar.DataParallelStrategy(tfpar.Mesh.from_cluster_resolver(data=-1))
+    error = None
+  except ValueError as refused:
+    error = str(refused)
+  with open(os.path.join(out_dir, "other_cluster.json"), "w") as f:
+    json.dump({"error": error, "tf_config": config}, f)
+
+
 def main():
   out_dir, scenarios = sys.argv[1], [_parse(s) for s in sys.argv[2:]]
-  # One strategy for every scenario: a second one in a TF_CONFIG worker
-  # hangs, re-enabling TensorFlow's collective ops.
-  strategy = tfpar.DataParallelStrategy(
-      tfpar.Mesh.from_cluster_resolver(data=-1))
-  for name, options in scenarios:
+  for name, options in scenarios:  # A strategy each, as a notebook makes.
+    if name == "other_cluster":
+      _other_cluster(out_dir)
+      continue
+    strategy = tfpar.DataParallelStrategy(
+        tfpar.Mesh.from_cluster_resolver(data=-1))
     _run(strategy, out_dir, name, options)
 
 

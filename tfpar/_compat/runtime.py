@@ -8,7 +8,11 @@ TensorFlow exposes the coordination service's key-value store and
 size only on its private attributes. Each accessor checks what it reads.
 """
 
+import inspect
+
+from tfpar._compat.checks import Incompatible
 from tfpar._compat.checks import require
+from tfpar._compat.checks import versions
 from tfpar._compat.tf_modules import coordination_config_pb2
 from tfpar._compat.tf_modules import eager_context
 from tfpar._compat.tf_modules import multi_worker_util
@@ -38,6 +42,37 @@ def server_started():
   ctx = context()
   return bool(getattr(ctx, "_collective_ops_server_def", None) or
               getattr(ctx, "_server_def", None))
+
+
+def collective_server_def():
+  """The `ServerDef` this process enabled collective ops with (the first
+  multi-worker strategy's), or None."""
+  return require(context(), "_collective_ops_server_def",
+                 "the running collective server")
+
+
+def keep_running_server(extended):
+  """Makes a `CollectiveAllReduceExtended` about to initialize use the
+  server this process already runs, as the strategy that started it does:
+  TF would otherwise enable collective ops again, which restarts the
+  runtime's collectives (the new strategy's first collective then never
+  completes on any worker), and would start its health-check thread, whose
+  first all-reduce blocks, unbounded, until every worker creates a
+  strategy too (the coordination service's heartbeats check health)."""
+  # CollectiveAllReduceExtended._initialize_multi_worker starts a server
+  # unless the first attribute is set, and turns the check off with the
+  # second when the coordination service is configured.
+  initialize = require(type(extended), "_initialize_multi_worker",
+                       "starting the collective server once per process")
+  source = inspect.getsource(initialize)
+  for name in ("_std_server_started", "_enable_check_health"):
+    if name not in source:
+      raise Incompatible(
+          f"tfpar needs CollectiveAllReduceExtended._initialize_multi_worker "
+          f"to read {name}, which {versions()} does not: update "
+          f"tfpar/_compat/runtime.py.")
+  extended._std_server_started = True  # pylint: disable=protected-access
+  extended._enable_check_health = False  # pylint: disable=protected-access
 
 
 def configure_coordination_service(cluster_spec, register_timeout_ms,

@@ -26,6 +26,7 @@ from tfpar import keras_hooks
 from tfpar import timeouts as timeouts_lib
 from tfpar import watchdog
 from tfpar._compat import keras_optimizer_hooks
+from tfpar._compat import runtime
 from tfpar._compat.tf_modules import collective_all_reduce_strategy
 from tfpar._compat.tf_modules import cross_device_ops_lib
 from tfpar._compat.tf_modules import nest
@@ -60,6 +61,28 @@ class DeviceSet:
 
   def __init__(self, devices):
     self._devices = tuple(devices)
+
+
+def _reuse_running_server(extended, layout):
+  """Lets a second multi-worker strategy of this process run on the server
+  the first one started (TF would restart the collectives runtime, and the
+  new strategy's first collective would never complete on any worker);
+  refuses a cluster or task other than the one that server serves."""
+  running = runtime.collective_server_def()
+  if running is None:
+    return
+  wanted = tf.train.ClusterSpec(layout.cluster_spec).as_cluster_def()
+  if (running.cluster != wanted or running.job_name != layout.task_type or
+      running.task_index != layout.task_id):
+    was = tf.train.ClusterSpec(running.cluster).as_dict()
+    raise ValueError(
+        f"This process already runs TensorFlow's collective server as task "
+        f"'{running.job_name}:{running.task_index}' of {was}; a strategy for "
+        f"task '{layout.task_type}:{layout.task_id}' of "
+        f"{layout.cluster_spec} needs another process (TensorFlow serves one "
+        f"cluster per process). Keep TF_CONFIG the same for every strategy "
+        f"of a process.")
+  runtime.keep_running_server(extended)
 
 
 class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
@@ -99,6 +122,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
       timeouts_lib.configure_coordination(mesh.cluster, self.timeouts)
       watchdog.install()
     if mesh.cluster is not None:  # TF_CONFIG jobs, even of a single task.
+      _reuse_running_server(self, mesh.cluster)
       try:
         super().__init__(container_strategy,
                          cluster_resolver=mesh.cluster.cluster_resolver(),
