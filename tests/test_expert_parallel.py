@@ -303,10 +303,13 @@ def test_tf_train_checkpoint_saves_and_restores_every_rank_s_experts(
   _, (model, _), strategy = mixtral_adam_expert4
   checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
   path = checkpoint.save(str(tmp_path / "ckpt"))
-  expert_shapes = [shape for name, shape in tf.train.list_variables(path)
-                   if "expert_feedforward_gate_dense" in name]
-  assert len(expert_shapes) >= 2  # The weights and their Adam moments.
-  assert all(shape[0] == EXPERTS for shape in expert_shapes)
+  # Expert kernels and their Adam moments: [experts, 32, 64] / [.., 64, 32]
+  # whole, never a rank's [experts / 4, ...] (each object once, at its
+  # shortest path: the optimizer's list of trainable variables).
+  expert_shapes = [shape for _, shape in tf.train.list_variables(path)
+                   if shape[1:] in ([HIDDEN, 64], [64, HIDDEN])]
+  assert len(expert_shapes) == 2 * 3 * 3  # 2 layers, 3 kernels, w + m + v.
+  assert all(shape[0] == EXPERTS for shape in expert_shapes), expert_shapes
   variables = model.weights + model.optimizer.variables
   before = _every_component(variables)
   with strategy.scope():

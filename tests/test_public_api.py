@@ -9,7 +9,7 @@ import tfpar
 _PUBLIC = {
     "BackupAndRestore", "ClusterLayout", "ColumnParallel",
     "CommunicationLog", "DataParallelStrategy", "ExpertParallelStrategy",
-    "Mesh", "MeshAxis", "ModelCheckpoint", "PipelineParallelStrategy",
+    "Mesh", "MeshAxis", "MoE", "ModelCheckpoint", "PipelineParallelStrategy",
     "PipelineTrace",
     "Replicate", "RowParallel", "ShardedWeight", "ShardingPlan",
     "TensorParallelStrategy", "VocabParallel", "ZeRO",

@@ -23,6 +23,7 @@ _EXPORTS = {
     "Mesh": "tfpar.mesh",
     "MeshAxis": "tfpar.mesh",
     "ModelCheckpoint": "tfpar.callbacks",
+    "MoE": "tfpar.expert_parallel.moe_layer",
     "PipelineParallelStrategy": "tfpar.pipeline",
     "PipelineTrace": "tfpar.pipeline",
     "configure_virtual_cpus": "tfpar.local_devices",

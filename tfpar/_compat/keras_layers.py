@@ -12,6 +12,7 @@ parallelism). Each accessor checks what it reads.
 
 import keras
 
+from tfpar._compat import keras_modules
 from tfpar._compat.checks import require
 
 for _name in ("_flatten_layers", "_track_trackable"):
@@ -40,8 +41,14 @@ def own_variables(layer):
 
 
 def track(owner, value, name):
-  """Makes `owner` track `value` as its attribute `name` in checkpoints."""
-  owner._track_trackable(value, name=name, overwrite=True)  # pylint: disable=protected-access
+  """Makes `owner` track `value` as its attribute `name` in checkpoints.
+
+  Keras's own tracking is off meanwhile: on a built layer it refuses new
+  variables, and it would list a variable among the layer's weights again.
+  """
+  with require(keras_modules.keras_tracking, "DotNotTrackScope",
+               "tracking a replaced weight for checkpoints")():
+    owner._track_trackable(value, name=name, overwrite=True)  # pylint: disable=protected-access
 
 
 def seed_generators(layer):

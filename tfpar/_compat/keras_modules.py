@@ -21,6 +21,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers import loss_scale_optimizer
 from keras.src.trainers import data_adapters
+from keras.src.utils import tracking as keras_tracking
 
 from tfpar._compat.checks import require
 

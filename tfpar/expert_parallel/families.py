@@ -4,7 +4,8 @@ A `Family` says where an MoE block keeps its router and experts and how it
 computes, so that `layers.py` can run the block expert-parallel with
 keras-hub's own weights and activation. Registered: keras-hub's
 `MixtralSparseMoeBlock` and `QwenSparseMoeBlock` (Qwen-MoE, with its shared
-expert).
+expert), and the block inside tfpar's own `tfpar.MoE` layer
+(`moe_block.MoEBlock`, gated or plain experts).
 """
 
 import dataclasses
@@ -14,6 +15,8 @@ import tensorflow as tf
 
 from tfpar._compat import keras_hub_names
 from tfpar._compat import keras_layers
+from tfpar.expert_parallel import expert_bank
+from tfpar.expert_parallel import moe_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +24,8 @@ class Family:
   """How one MoE block class is laid out.
 
   Attributes:
-    name: the block's class name.
+    name: the block's class name (a keras-hub class), or a label when
+      `matches` is given.
     expert_weight_names: attributes of `block.expert_bank` holding the
       [num_experts, ...] expert weights, in the order `experts` takes them.
     experts: `experts(bank, weights, x)`: x [E_local, N, h] through the
@@ -34,6 +38,8 @@ class Family:
     extra: `extra(block, x_flat)`: what the block adds to the experts'
       output (a shared expert), or None.
     jitter: the block's attribute with the router's jitter noise, or None.
+    matches: `matches(layer)`: whether `layer` is of this family; None for
+      an instance of the keras-hub class `name`.
   """
   name: str
   expert_weight_names: tuple
@@ -43,6 +49,7 @@ class Family:
   flat_mask: Callable
   extra: Optional[Callable] = None
   jitter: Optional[str] = None
+  matches: Optional[Callable] = None
 
 
 def _mixtral_experts(bank, weights, x):
@@ -58,6 +65,15 @@ def _qwen_experts(bank, weights, x):
   gate, up = tf.split(tf.einsum("enh,ehm->enm", x, gate_up_kernel), 2,
                       axis=-1)
   return tf.einsum("enm,emh->enh", up * bank.activation(gate), output_kernel)
+
+
+def _tfpar_experts(bank, weights, x):
+  return bank.compute(weights, x)
+
+
+def _tfpar_block(gated):
+  return lambda layer: (isinstance(layer, moe_block.MoEBlock) and
+                        layer.gated == gated)
 
 
 def _mixtral_mask(attention_mask):
@@ -84,7 +100,23 @@ FAMILIES = (
            _qwen_experts, normalize=lambda block: bool(block.norm_top_k_prob),
            aux_coefficient="router_aux_loss_coefficient",
            flat_mask=_qwen_mask, extra=_qwen_shared_expert),
+    Family("tfpar.MoE (gated=True)", expert_bank.GATED_WEIGHTS,
+           _tfpar_experts, normalize=lambda block: block.normalize_top_k,
+           aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
+           matches=_tfpar_block(gated=True)),
+    Family("tfpar.MoE (gated=False)", expert_bank.PLAIN_WEIGHTS,
+           _tfpar_experts, normalize=lambda block: block.normalize_top_k,
+           aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
+           matches=_tfpar_block(gated=False)),
 )
+
+
+def _is_of(family, layer):
+  if family.matches is not None:
+    return family.matches(layer)
+  return any(cls.__name__ == family.name and
+             cls.__module__.startswith("keras_hub.")
+             for cls in type(layer).__mro__)
 
 
 def family_of(layer):
@@ -95,13 +127,10 @@ def family_of(layer):
   >>> import keras
   >>> family_of(keras.layers.Dense(2)) is None
   True
+  >>> family_of(moe_block.MoEBlock(num_experts=4, intermediate_dim=8)).name
+  'tfpar.MoE (gated=True)'
   """
-  for family in FAMILIES:
-    for cls in type(layer).__mro__:
-      if cls.__name__ == family.name and cls.__module__.startswith(
-          "keras_hub."):
-        return family
-  return None
+  return next((f for f in FAMILIES if _is_of(f, layer)), None)
 
 
 def moe_blocks(model):

@@ -171,6 +171,9 @@ def replace(owner, variable, weight):
   for attribute, value in list(vars(owner).items()):
     if value is variable:
       object.__setattr__(owner, attribute, weight.variable)
+      # tf.train.Checkpoint follows tracked attributes: without this the
+      # whole variable stays tracked, alive on every device.
+      keras_layers.track(owner, weight.variable, attribute)
   # Saves and loads `owner`'s logical order (whole weights), as tensor
   # parallelism does for its shards.
   split_weights.install_logical_saving(owner)

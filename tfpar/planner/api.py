@@ -5,11 +5,14 @@ import numbers
 
 from tfpar.planner import build_peak
 from tfpar.planner import candidates as candidates_lib
+from tfpar.planner import experts
 from tfpar.planner import formulas
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import recommend as recommend_lib
 from tfpar.planner import result as result_lib
 from tfpar.planner import units
+from tfpar.planner.optimizer_state import accumulation_steps
+from tfpar.planner.optimizer_state import optimizer_slots
 
 
 def plan(model, devices, memory_per_device, batch_size=None,
@@ -20,11 +23,14 @@ def plan(model, devices, memory_per_device, batch_size=None,
 
   For each candidate layout (data parallelism, ZeRO 1/2/3, CPU offload,
   tensor parallelism inside a node, pipelines with and without recompute,
-  and their combinations) estimates the parameters, gradients, optimizer
-  state and activations of its fullest device, from the model's real
-  variables, the layers tensor parallelism splits, the stages pipeline
-  parallelism cuts and the layers' output shapes. Recommends the fastest
-  layout that fits, following the seeds' decision guide.
+  their combinations, and for mixture-of-experts models expert
+  parallelism) estimates the parameters, gradients, optimizer state and
+  activations of its fullest device, from the model's real variables, the
+  layers tensor parallelism splits, the stages pipeline parallelism cuts,
+  the expert weights expert parallelism splits and the layers' output
+  shapes. Recommends the fastest layout that fits, following the seeds'
+  decision guide (a sparse / MoE model that does not fit one device goes
+  to expert + data parallelism before ZeRO).
 
   Args:
     model: a built Keras model, or a parameter count for a model-free
@@ -81,11 +87,13 @@ def plan(model, devices, memory_per_device, batch_size=None,
                else getattr(model, "optimizer", None))
   slots = optimizer_slots(optimizer)
   steps = accumulation_steps(gradient_accumulation_steps, optimizer)
-  notes = []
+  expert_sizes, notes = experts.planned_sizes(devices, profile.moe,
+                                              precision, steps)
   found, skipped = [], {}
   for layout in candidates_lib.layouts(devices, node_size,
                                        profile.max_pipeline,
-                                       num_microbatches, schedule):
+                                       num_microbatches, schedule,
+                                       expert_sizes):
     if layout.recompute and not profile.has_activations:
       continue  # Recompute changes activations only.
     if layout.data > batch:
@@ -161,7 +169,8 @@ def estimate_layout(model, layout, precision="fp32", optimizer=None,
                else getattr(model, "optimizer", None))
   slots = optimizer_slots(optimizer)
   steps = accumulation_steps(gradient_accumulation_steps, optimizer)
-  loads = profile.stages(layout.tensor, layout.pipeline)
+  loads = experts.split_loads(profile.stages(layout.tensor, layout.pipeline),
+                              profile.moe, layout.expert)
   return _fullest(layout, loads, profile, batch, precision, slots, steps)
 
 
@@ -181,11 +190,16 @@ def _profile(model, sharding_plan):
 
 def _candidate(layout, loads, profile, limit, batch, precision, slots,
                steps, node_size):
-  best = _fullest(layout, loads, profile, batch, precision, slots, steps)
+  best = _fullest(layout, experts.split_loads(loads, profile.moe,
+                                              layout.expert),
+                  profile, batch, precision, slots, steps)
   runs, why = candidates_lib.supported(layout)
   # A layout fits only if the model can also be built in it.
-  build = build_peak.build_peak_bytes(layout, loads, profile, precision,
-                                      node_size)
+  if layout.expert > 1:
+    build = experts.build_bytes(loads, profile.moe, layout.expert, precision)
+  else:
+    build = build_peak.build_peak_bytes(layout, loads, profile, precision,
+                                        node_size)
   return result_lib.Candidate(layout, best, best.total <= limit and
                               build <= limit, runs, why,
                               candidates_lib.rank(layout), build)
@@ -238,86 +252,9 @@ def _assumptions(profile, devices, node_size, precision):
         "gradients, fp32 master weights in the optimizer state). Keras's "
         "mixed policies keep float32 weights: for them use "
         "precision='mixed_float16' or 'mixed_bfloat16'.")
+  notes.extend(experts.notes(profile.moe))
   notes.append(
       "Estimates leave out temporary buffers, the framework's workspace and "
       "fragmentation; keep some headroom.")
   return notes
 
-
-def accumulation_steps(steps, optimizer=None):
-  """k, the gradient accumulation steps to plan for, or None for none.
-
-  Args:
-    steps: a positive int (1: no accumulation), or None to take the
-      `gradient_accumulation_steps` of `optimizer` when it is a Keras
-      optimizer.
-    optimizer: what `plan` got as its optimizer (or the model's).
-
-  Raises:
-    ValueError: `steps` is not a positive integer.
-
-  Example:
-
-  >>> import keras
-  >>> from tfpar.planner.api import accumulation_steps
-  >>> accumulation_steps(4), accumulation_steps(1)
-  (4, None)
-  >>> accumulation_steps(None, keras.optimizers.SGD(
-  ...     gradient_accumulation_steps=2))
-  2
-  """
-  if steps is None:
-    # A LossScaleOptimizer (mixed_float16) accumulates in its inner one.
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    steps = getattr(inner, "gradient_accumulation_steps", None)
-    if not isinstance(steps, numbers.Integral) or isinstance(steps, bool):
-      return None  # Not a Keras optimizer, or no accumulation.
-  units.check_positive_int(
-      steps, "gradient_accumulation_steps",
-      "a positive integer (1 for no accumulation)")
-  return int(steps) if steps >= 2 else None
-
-
-def optimizer_slots(optimizer):
-  """Optimizer slots per weight: variables the size of the weight.
-
-  Builds a fresh copy of the optimizer on a small variable and counts the
-  variables of its shape (gradient accumulators excepted).
-
-  Args:
-    optimizer: a Keras optimizer, its name ("adam", "sgd"), an int, or None
-      for Adam.
-
-  Raises:
-    ValueError: not an optimizer, name or non-negative int.
-
-  Example:
-
-  >>> from tfpar.planner.api import optimizer_slots
-  >>> optimizer_slots("adam"), optimizer_slots("sgd"), optimizer_slots(3)
-  (2, 0, 3)
-  """
-  if optimizer is None:
-    return 2
-  if isinstance(optimizer, numbers.Integral) and not isinstance(
-      optimizer, bool):
-    if optimizer < 0:
-      raise ValueError(f"optimizer as a slot count must be >= 0. Received: "
-                       f"optimizer={optimizer!r}.")
-    return int(optimizer)
-  import keras  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  try:
-    instance = keras.optimizers.get(optimizer)
-    fresh = type(instance).from_config(instance.get_config())
-  except Exception as error:  # pylint: disable=broad-except
-    raise ValueError(
-        f"optimizer must be a Keras optimizer, its name (such as 'adam') or "
-        f"a number of slots per weight (pass the number when the optimizer "
-        f"cannot be rebuilt from its config). Received: optimizer="
-        f"{optimizer!r} ({error}).") from None
-  probe = keras.Variable(np.zeros((3, 5), "float32"), name="probe")
-  fresh.build([probe])
-  return sum(1 for v in fresh.variables
-             if tuple(v.shape) == (3, 5) and
-             not v.name.endswith("gradient_accumulator"))

@@ -7,14 +7,20 @@ the variants that make sense:
 * data parallelism alone: plain, ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-2 / 3
   with the optimizer state offloaded to the host;
 * with tensor or pipeline parallelism: plain and ZeRO-1 over the data axis
-  (Megatron's distributed optimizer); pipelines also with recompute.
+  (Megatron's distributed optimizer); pipelines also with recompute;
+* for mixture-of-experts models, expert parallelism over the data axis
+  (`expert_sizes`: each e > 1 dividing the data size and every MoE
+  layer's number of experts).
 
 Speed order (`rank`, lower is faster), from the seeds' strategy comparison
 and the ZeRO paper: offload last (host transfers and a CPU optimizer),
 then recompute (one more forward), then the model-parallel kind: none,
 tensor inside a node, pipeline, both; then smaller tensor and pipeline
-degrees; then the ZeRO stage (1 and 2 move what data parallelism moves, 3
-moves 1.5x).
+degrees; then plain, then expert parallelism (smaller groups first), then
+the ZeRO stage (1 and 2 move what data parallelism moves, 3 moves 1.5x).
+Expert before ZeRO is the seeds' decision guide: a model that does not
+fit one device goes to "Expert + Data Parallelism" when it is sparse
+(MoE), to ZeRO and model parallelism when it is dense.
 """
 
 import dataclasses
@@ -35,7 +41,7 @@ def divisors(number):
 
 
 def layouts(devices, node_size, max_pipeline=None, num_microbatches=None,
-            schedule="1f1b"):
+            schedule="1f1b", expert_sizes=()):
   """Every candidate `Layout` for `devices` devices.
 
   Args:
@@ -44,12 +50,16 @@ def layouts(devices, node_size, max_pipeline=None, num_microbatches=None,
     max_pipeline: the most stages the model can be cut into (None: any).
     num_microbatches: m for pipelines (None: 4p).
     schedule: "1f1b" or "gpipe".
+    expert_sizes: the expert-group sizes e > 1 to add as `DPN + EPe`
+      (`experts.expert_sizes`; empty for a dense model).
 
   Example:
 
   >>> from tfpar.planner.candidates import layouts
   >>> [l.name for l in layouts(2, 1)][:3]
   ['DP2', 'DP2 + ZeRO-1', 'DP2 + ZeRO-2']
+  >>> [l.name for l in layouts(4, 1, expert_sizes=[2, 4])][:4]
+  ['DP4', 'DP4 + EP2', 'DP4 + EP4', 'DP4 + ZeRO-1']
   """
   found = []
   for tensor in divisors(devices):
@@ -63,7 +73,7 @@ def layouts(devices, node_size, max_pipeline=None, num_microbatches=None,
       if pipeline > 1:
         base.update(num_microbatches=num_microbatches, schedule=schedule)
       if tensor == pipeline == 1:
-        variants = [{}]
+        variants = [{}] + [dict(expert=e) for e in expert_sizes]
         if data > 1:
           variants += [dict(zero=1), dict(zero=2), dict(zero=3)]
         variants += [dict(zero=2, offload="cpu"), dict(zero=3, offload="cpu")]
@@ -84,10 +94,13 @@ def rank(layout):
   >>> from tfpar.planner.formulas import Layout
   >>> rank(Layout(data=4, zero=3)) < rank(Layout(data=2, tensor=2))
   True
+  >>> rank(Layout(data=4)) < rank(Layout(data=4, expert=2)) < rank(
+  ...     Layout(data=4, zero=1))
+  True
   """
   kind = (layout.tensor > 1) + 2 * (layout.pipeline > 1)
   return (bool(layout.offload), layout.recompute, kind, layout.tensor,
-          layout.pipeline, layout.zero or 0)
+          layout.pipeline, bool(layout.zero), layout.expert, layout.zero or 0)
 
 
 # Combinations tfpar runs: tensor-parallel pipeline stages (3D) and
@@ -126,6 +139,8 @@ def how_to_run(layout):
   >>> from tfpar.planner.formulas import Layout
   >>> print(how_to_run(Layout(data=8, zero=2)))
   strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 8})); model.fit(..., callbacks=[tfpar.ZeRO(stage=2)])
+  >>> print(how_to_run(Layout(data=8, expert=4)))
+  strategy = tfpar.ExpertParallelStrategy(tfpar.Mesh({"data": 8}), expert=4)
   """
   if not supported(layout)[0]:
     return ""
@@ -143,6 +158,9 @@ def how_to_run(layout):
             f"num_microbatches={layout.microbatches}{extra})")
   elif layout.tensor > 1:
     code = f"strategy = tfpar.TensorParallelStrategy({mesh})"
+  elif layout.expert > 1:
+    return (f"strategy = tfpar.ExpertParallelStrategy({mesh}, "
+            f"expert={layout.expert})")
   elif layout.zero == 3:  # Weights created sliced (one node; build_peak).
     offload = ', offload="cpu"' if layout.offload else ""
     return (f"strategy = tfpar.DataParallelStrategy({mesh}, "
@@ -178,6 +196,9 @@ MEMORY_LIMITED = Rule("Memory limited -> ZeRO / Offloading",
 ZERO3_COMMUNICATION = Rule(
     "ZeRO-3 requires all-gather for every forward pass, adding ~50% "
     "communication overhead", "seeds' ZeRO communication tradeoff")
+SPARSE_MODEL = Rule("No -> sparse (MoE) model: Expert + Data Parallelism; "
+                    "Sparse/MoE -> Expert Parallelism",
+                    "seeds' decision guide")
 LARGE_MODEL = Rule("No -> dense model: Tensor + Pipeline + ZeRO; Large model "
                    "-> Model/Tensor/Pipeline", "seeds' decision guide")
 INTERCONNECT = Rule("Use TP within nodes (NVLink), PP across nodes "
@@ -198,7 +219,11 @@ def rules_for(layout):
   >>> from tfpar.planner.formulas import Layout
   >>> rules_for(Layout(data=4))[0].source
   "seeds' decision guide"
+  >>> print(rules_for(Layout(data=4, expert=2))[0])
+  "No -> sparse (MoE) model: Expert + Data Parallelism; Sparse/MoE -> Expert Parallelism" (seeds' decision guide)
   """
+  if layout.expert > 1:
+    return [SPARSE_MODEL]
   if layout.tensor == layout.pipeline == 1:
     if not layout.zero:
       return [FITS_ONE_DEVICE]

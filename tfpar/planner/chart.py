@@ -29,7 +29,8 @@ _LEFT, _RIGHT, _TOP = 64, 24, 58
 
 
 def bar_labels(layout):
-  """The lines under a bar: degrees, then ZeRO, offload, recompute.
+  """The lines under a bar: degrees, then experts, ZeRO, offload,
+  recompute.
 
   Example:
 
@@ -37,10 +38,14 @@ def bar_labels(layout):
   >>> from tfpar.planner.chart import bar_labels
   >>> bar_labels(Layout(data=16, zero=3, offload="cpu"))
   ['DP16', 'ZERO-3', '+OFFLOAD']
+  >>> bar_labels(Layout(data=16, expert=4))
+  ['DP16', 'EP4']
   """
   lines = [" ".join([f"DP{layout.data}"] +
                     ([f"TP{layout.tensor}"] if layout.tensor > 1 else []) +
                     ([f"PP{layout.pipeline}"] if layout.pipeline > 1 else []))]
+  if layout.expert > 1:
+    lines.append(f"EP{layout.expert}")
   if layout.zero:
     lines.append(f"ZERO-{layout.zero}")
   if layout.offload:

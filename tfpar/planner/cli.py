@@ -12,7 +12,7 @@ _DESCRIPTION = (
     "Estimates the memory per device of parameters, gradients, optimizer "
     "state and activations for every layout of a model on DEVICES devices "
     "(data parallel, ZeRO 1/2/3, CPU offload, tensor, pipeline, recompute, "
-    "3D), prints them as a table and recommends the fastest layout that "
+    "3D, and expert parallelism for mixture-of-experts models), prints them as a table and recommends the fastest layout that "
     "fits. Give the model as --model module:function (a function returning "
     "a built Keras model), --model file.keras, or --parameters COUNT for the "
     "model states alone.")

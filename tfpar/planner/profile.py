@@ -1,9 +1,10 @@
 """What the planner knows of a model: weights and activations per stage.
 
 `KerasProfile` reads a built Keras model: its variables (trainable or
-not), which of them tensor parallelism splits (`ShardingPlan.resolve`),
-how `PipelineParallelStrategy` cuts it into stages (`plan_stages`), and
-the output shape of every layer of its graph (activations). `CountProfile`
+not), its expert weights (`experts.moe_facts`), which of them tensor
+parallelism splits (`ShardingPlan.resolve`), how
+`PipelineParallelStrategy` cuts it into stages (`plan_stages`), and the
+output shape of every layer of its graph (activations). `CountProfile`
 stands for a model known only by its parameter count: tensor parallelism
 splits every weight, stages are equal, activations unknown.
 """
@@ -48,6 +49,7 @@ class CountProfile:
 
   has_activations = False
   max_pipeline = None
+  moe = None  # No mixture-of-experts layers known.
 
   def __init__(self, num_parameters, name=None):
     self.trainable = int(num_parameters)
@@ -113,6 +115,7 @@ class KerasProfile:
 
   def __init__(self, model, sharding_plan=None):
     from tfpar.pipeline import stages as stages_lib  # pylint: disable=g-import-not-at-top
+    from tfpar.planner import experts  # pylint: disable=g-import-not-at-top
     if not model.built:
       raise ValueError(
           f"model {model.name!r} is not built, so its variables are not "
@@ -125,6 +128,7 @@ class KerasProfile:
     self.trainable = sum(_size(v) for v in model.weights if v.trainable)
     self.non_trainable = sum(_size(v) for v in model.weights
                              if not v.trainable)
+    self.moe = experts.moe_facts(model)  # None without MoE layers.
     self.unknown_shapes = set()
     self._kept = {}       # id(operation) -> elements per sample.
     self._attention = {}  # id(operation) -> internal elements per sample.

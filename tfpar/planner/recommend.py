@@ -80,6 +80,14 @@ def _details(pick):
         f"ZeRO-{layout.zero} moves the same bytes per step as data "
         f"parallelism (reduce-scatter + all-gather instead of all-reduce), "
         f"so it comes before ZeRO-3 (1.5x) and model parallelism.")
+  if layout.expert > 1:
+    lines.append(
+        f"Expert parallelism keeps 1/{layout.expert} of each MoE layer's "
+        f"experts (and of their gradients and optimizer slots) on a device; "
+        f"tokens reach their experts by all-to-all (2 forward and 2 backward "
+        f"per MoE layer), expert gradients are all-reduced over the "
+        f"{layout.data // layout.expert} replica(s) of one expert rank, the "
+        f"rest over all {layout.data}.")
   if layout.pipeline > 1:
     bubble = schedules.bubble_fraction(layout.pipeline, layout.microbatches)
     lines.append(

@@ -49,6 +49,16 @@ def recipe_text(layout, comment="", precision="fp32",
   [zero]
   stage = 1
   <BLANKLINE>
+  >>> print(recipe_text(Layout(data=8, expert=4)))
+  summary = "DP8 + EP4 (from tfpar plan)"
+  <BLANKLINE>
+  [strategy]
+  kind = "expert_parallel"
+  expert = 4
+  <BLANKLINE>
+  [mesh]
+  data = 8
+  <BLANKLINE>
   """
   runs, why = candidates_lib.supported(layout)
   if not runs:
@@ -63,6 +73,8 @@ def recipe_text(layout, comment="", precision="fp32",
       lines.append("recompute = true")
   elif layout.tensor > 1:
     lines.append('kind = "tensor_parallel"')
+  elif layout.expert > 1:
+    lines += ['kind = "expert_parallel"', f"expert = {layout.expert}"]
   else:
     lines.append('kind = "data_parallel"')
   lines += ["", "[mesh]", f"data = {layout.data}"]

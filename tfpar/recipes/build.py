@@ -5,6 +5,7 @@ import os
 
 from tfpar import mesh as mesh_lib
 from tfpar.data_parallel import DataParallelStrategy
+from tfpar.expert_parallel import ExpertParallelStrategy
 from tfpar.pipeline import PipelineParallelStrategy
 from tfpar.recipes import files
 from tfpar.recipes import rules
@@ -19,6 +20,7 @@ _STRATEGIES = {
     "data_parallel": DataParallelStrategy,
     "tensor_parallel": TensorParallelStrategy,
     "pipeline_parallel": PipelineParallelStrategy,
+    "expert_parallel": ExpertParallelStrategy,
 }
 
 
@@ -102,6 +104,9 @@ def from_recipe(path_or_name=None, mesh=None):
   recipe = files.load(path_or_name)
   if mesh is None:
     mesh = mesh_lib.Mesh.from_cluster_resolver(**recipe.mesh)
+    if recipe.kind == "expert_parallel":  # data = -1 is now a size.
+      rules.check_combination(recipe, mesh.shape,
+                              f"Recipe {recipe.name!r} on {mesh!r}")
   elif isinstance(mesh, mesh_lib.Mesh):
     rules.check_combination(recipe, mesh.shape,
                             f"Recipe {recipe.name!r} on the given {mesh!r}")

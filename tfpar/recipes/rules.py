@@ -47,6 +47,8 @@ def check_combination(recipe, shape, where):
                   f"'{instead}' to split "
                   + ("layers into stages" if axis == "pipeline" else
                      "weights over a tensor axis"))
+  if kind == "expert_parallel":
+    _check_expert(recipe, shape, where)
   if options.get("sequence_parallel") and shape["tensor"] == 1:
     raise error(where, "strategy.sequence_parallel", True,
                 "needs a tensor axis larger than 1 to split the sequence "
@@ -70,6 +72,24 @@ def check_combination(recipe, shape, where):
         f"mesh.tensor is 1; give the mesh a tensor axis or drop [plan]. "
         f"Received: mesh.tensor=1 and a [plan] of "
         f"{len(recipe.plan['rules'])} rule(s)")
+
+
+def _check_expert(recipe, shape, where):
+  """An expert-parallel recipe: every device on `data`, and the expert
+  size dividing the data size (when known)."""
+  for axis in ("pipeline", "tensor"):
+    if shape[axis] != 1:
+      raise error(where, f"mesh.{axis}", shape[axis],
+                  "must be 1 for strategy.kind 'expert_parallel': the expert "
+                  "groups are carved out of the data axis, and "
+                  "tfpar.ExpertParallelStrategy does not combine with "
+                  f"{axis} parallelism yet")
+  expert, data = recipe.options["expert"], shape["data"]
+  if data != -1 and data % expert:
+    fits = [n for n in range(1, data + 1) if data % n == 0]
+    raise error(where, "strategy.expert", expert,
+                f"must divide mesh.data = {data} (the expert groups are "
+                f"carved out of the data replicas), so one of {fits}")
 
 
 def error(where, key, value, rule):

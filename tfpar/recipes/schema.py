@@ -6,7 +6,7 @@ A recipe is a TOML table:
   summary = "ZeRO-2: optimizer state and gradients split over data replicas"
 
   [strategy]           # which tfpar strategy, and its options
-  kind = "data_parallel"
+  kind = "data_parallel"   # or "expert_parallel" with expert = 2, ...
 
   [mesh]               # axis sizes for tfpar.Mesh.from_cluster_resolver
   data = -1
@@ -31,7 +31,8 @@ import difflib
 from tfpar.recipes import plan_table
 from tfpar.recipes import rules
 
-KINDS = ("data_parallel", "tensor_parallel", "pipeline_parallel")
+KINDS = ("data_parallel", "tensor_parallel", "pipeline_parallel",
+         "expert_parallel")
 # The same as tfpar.mesh.AXES and tfpar.pipeline.schedules.SCHEDULES (a test
 # checks), repeated here so that checking a recipe does not start TensorFlow.
 AXES = ("data", "pipeline", "tensor")
@@ -41,6 +42,10 @@ OFFLOADS = ("none", "cpu")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 _PIPELINE = ("pipeline_parallel",)
 _TENSOR = ("tensor_parallel",)
+_EXPERT = ("expert_parallel",)
+# ZeRO, Keras's mixed policies and gradient accumulation are untested with
+# tfpar.ExpertParallelStrategy (docs/expert_parallel.md).
+_DENSE = ("data_parallel", "tensor_parallel", "pipeline_parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +55,11 @@ class Recipe:
   Attributes:
     name: the file's name without `.toml`, e.g. `"zero2"`.
     path: the file it was read from ("" when made from a dict).
-    kind: `"data_parallel"`, `"tensor_parallel"` or `"pipeline_parallel"`.
+    kind: `"data_parallel"`, `"tensor_parallel"`, `"pipeline_parallel"` or
+      `"expert_parallel"`.
     mesh: the `[mesh]` axis sizes, e.g. `{"data": -1, "tensor": 2}`.
     options: keyword arguments of the strategy, e.g.
-      `{"num_microbatches": 8, "schedule": "1f1b"}`.
+      `{"num_microbatches": 8, "schedule": "1f1b"}` or `{"expert": 2}`.
     zero: keyword arguments of `tfpar.ZeRO` (`stage`, `offload`), or None.
     summary: the recipe's one-line description.
     plan: the `[plan]` table as `{"rules": ((regex, style name), ...),
@@ -130,6 +136,11 @@ def _accumulation_steps(value):
   return _positive_int(value) and value >= 2
 
 
+def _positive_number(value):
+  return (isinstance(value, (int, float)) and not isinstance(value, bool) and
+          value > 0)
+
+
 def _stages(value):
   return value == "auto" or (isinstance(value, list) and all(
       isinstance(name, str) for name in value))
@@ -147,6 +158,11 @@ _SECTIONS = {
                        "start stages 1 .. p-1", _stages, _PIPELINE),
         "recompute": _Key("must be true or false", _bool, _PIPELINE),
         "sequence_parallel": _Key("must be true or false", _bool, _TENSOR),
+        "expert": _Key("must be a positive integer (the data replicas each "
+                       "MoE layer's experts are split over)", _positive_int,
+                       _EXPERT, required=_EXPERT),
+        "capacity_factor": _Key("must be a positive number (leave it out to "
+                                "drop no token)", _positive_number, _EXPERT),
     },
     "mesh": {axis: _Key("must be a positive integer or -1 (inferred from "
                         "the device count)", _axis_size) for axis in AXES},
@@ -170,7 +186,7 @@ _SECTIONS = {
     },
 }
 # Optional section: the kinds it is for.
-_OPTIONAL = {"zero": KINDS, "plan": plan_table.KINDS, "training": KINDS}
+_OPTIONAL = {"zero": _DENSE, "plan": plan_table.KINDS, "training": _DENSE}
 _TOP = ("summary",) + tuple(_SECTIONS)
 
 
