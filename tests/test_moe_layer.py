@@ -11,7 +11,6 @@ weights on each device counted from the per-device tf.Variables, and the
 load-balancing loss each replica computes.
 """
 
-import collections
 import re
 
 import keras
@@ -20,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
+from test_expert_parallel import expert_bytes_by_device
 
 VOCAB, SEQUENCE, BATCH, STEPS = 32, 8, 8, 10
 HIDDEN, EXPERTS, INTERMEDIATE, TOP_K = 16, 4, 32, 2
@@ -85,17 +85,6 @@ def max_weight_difference(model, reference):
   return max(float(np.abs(a - b).max()) for (_, a), (_, b) in zip(ours, theirs))
 
 
-def bytes_by_device(variables):
-  """{device: bytes} of the per-device tf.Variables behind `variables`."""
-  found = collections.Counter()
-  for variable in variables:
-    value = getattr(variable, "_value", variable)
-    for component in getattr(value, "values", (value,)):
-      device = tf.DeviceSpec.from_string(component.device).to_string()
-      found[device] += int(np.prod(component.shape)) * component.dtype.size
-  return found
-
-
 def _trained(optimizer_name, expert):
   reference = train(optimizer_name)
   strategy = expert_parallel(expert)
@@ -146,7 +135,7 @@ def test_each_device_holds_its_share_of_the_experts(request, fixture,
   assert whole == 5 * EXPERTS * HIDDEN * INTERMEDIATE * 4
   experts = [v for v in model.weights if "/experts/" in v.path]
   assert len(experts) == 5
-  per_device = bytes_by_device(experts)
+  per_device = expert_bytes_by_device(experts)
   assert len(per_device) == 4
   assert set(per_device.values()) == {whole // expert}
   # Replicas of one expert rank hold the same experts, of other ranks

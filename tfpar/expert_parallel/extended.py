@@ -194,7 +194,7 @@ def check_block(block, expert):
 
 def check_layout(block, family):
   """Raises if keras-hub moved the weights tfpar reads (an upgrade)."""
-  wanted = [("block", block, keras_hub_names.MOE_ROUTER),
+  wanted = [("block", block, family.router or keras_hub_names.MOE_ROUTER),
             ("block", block, "expert_bank")]
   bank = getattr(block, "expert_bank", None)
   wanted += [("expert bank", bank, name)

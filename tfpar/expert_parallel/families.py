@@ -40,6 +40,8 @@ class Family:
     jitter: the block's attribute with the router's jitter noise, or None.
     matches: `matches(layer)`: whether `layer` is of this family; None for
       an instance of the keras-hub class `name`.
+    router: the block's attribute holding its router layer; None for
+      keras-hub's (private) name.
   """
   name: str
   expert_weight_names: tuple
@@ -50,6 +52,13 @@ class Family:
   extra: Optional[Callable] = None
   jitter: Optional[str] = None
   matches: Optional[Callable] = None
+  router: Optional[str] = None
+
+  def router_of(self, block):
+    """The block's router layer."""
+    if self.router is None:
+      return keras_hub_names.router(block)
+    return getattr(block, self.router)
 
 
 def _mixtral_experts(bank, weights, x):
@@ -103,11 +112,11 @@ FAMILIES = (
     Family("tfpar.MoE (gated=True)", expert_bank.GATED_WEIGHTS,
            _tfpar_experts, normalize=lambda block: block.normalize_top_k,
            aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
-           matches=_tfpar_block(gated=True)),
+           matches=_tfpar_block(gated=True), router="router"),
     Family("tfpar.MoE (gated=False)", expert_bank.PLAIN_WEIGHTS,
            _tfpar_experts, normalize=lambda block: block.normalize_top_k,
            aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
-           matches=_tfpar_block(gated=False)),
+           matches=_tfpar_block(gated=False), router="router"),
 )
 
 

@@ -15,7 +15,6 @@ Outside a replica context (Keras tracing shapes, a call outside
 
 import tensorflow as tf
 
-from tfpar._compat import keras_hub_names
 from tfpar.expert_parallel import comm
 from tfpar.expert_parallel import routing
 
@@ -53,7 +52,7 @@ def build_call(block, family, context):
     if training and jitter > 0:
       x = x * tf.random.uniform(tf.shape(x), 1.0 - jitter, 1.0 + jitter,
                                 dtype=x.dtype)
-    router_logits = keras_hub_names.router(block)(x)
+    router_logits = family.router_of(block)(x)
     router_probs = tf.nn.softmax(router_logits, axis=-1)
     weights, experts = routing.route(router_probs, block.top_k,
                                      family.normalize(block))

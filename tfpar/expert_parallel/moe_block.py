@@ -15,7 +15,6 @@ expert runs on every token and each token sums its top-k experts' outputs.
 import keras
 import tensorflow as tf
 
-from tfpar._compat import keras_hub_names
 from tfpar.expert_parallel import expert_bank
 from tfpar.expert_parallel import routing
 
@@ -58,15 +57,6 @@ class MoEBlock(keras.layers.Layer):
     self.hidden_dim = input_shape[-1]
     self.router.build(input_shape)
     self.expert_bank.build(input_shape)
-
-  def __getattr__(self, name):
-    # `ExpertParallelStrategy` finds a block's router under keras-hub's
-    # private name (`keras_hub_names.MOE_ROUTER`). Not a property: Keras
-    # saving walks `dir(layer)` and would save the router twice.
-    if name == keras_hub_names.MOE_ROUTER:
-      return self.router
-    raise AttributeError(
-        f"{type(self).__name__!r} object has no attribute {name!r}")
 
   def compute_mask(self, inputs, mask=None):
     return mask, None  # The output keeps the input's mask; logits none.
