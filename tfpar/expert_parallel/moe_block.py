@@ -4,8 +4,8 @@
 `ExpertParallelStrategy` runs expert-parallel (`families.py`, `layers.py`):
 its `call(hidden_states, attention_mask, training)` returns
 `(output, router_logits)`, its experts are the stacked weights of
-`expert_bank`, and its router is also reachable under keras-hub's attribute
-name. The strategy replaces its `call` (which is why `tfpar.MoE`, whose
+`expert_bank`, and its router is `router` (its `Family` says so). The
+strategy replaces its `call` (which is why `tfpar.MoE`, whose
 call returns the output alone, wraps it rather than being it).
 
 On its own it computes densely, as keras-hub's Mixtral block does: every
