@@ -12,6 +12,7 @@ distributed TensorFlow variables.
 from keras.src import backend
 from keras.src import ops as keras_ops
 from keras.src import tree
+from keras.src.backend.common import symbolic_scope
 from keras.src.backend.common import tensor_attributes
 from keras.src.backend.common import variables as keras_variables
 from keras.src.backend.tensorflow import optimizer as tf_optimizer

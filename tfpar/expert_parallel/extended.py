@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import keras_hub_names
+from tfpar._compat import keras_modules
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.expert_parallel import families
@@ -64,10 +65,23 @@ class MoEContext:
     return id(variable) in self._expert_variables
 
   def whole_value(self, variable):
-    """The whole [E, ...] tensor of an expert variable (every rank must be
-    on this worker)."""
+    """The whole [E, ...] tensor of an expert variable, for calls outside
+    the replicas (every rank must be on this worker, except while Keras
+    traces shapes only)."""
     weight = self._expert_variables[id(variable.value)]
     by_rank = weight.components_by_rank()
+    missing = [r for r in range(self.groups.expert) if r not in by_rank]
+    if missing and keras_modules.symbolic_scope.in_symbolic_scope():
+      # Keras building the model symbolically: only shapes flow.
+      piece = next(iter(by_rank.values()))
+      return tf.zeros([self.groups.expert * piece.shape[0]] +
+                      piece.shape[1:].as_list(), piece.dtype)
+    if missing:
+      raise ValueError(
+          f"Calling the model outside the strategy's replicas needs the "
+          f"whole expert weight {variable.path!r}, but the experts of rank(s) "
+          f"{missing} live on other workers (the expert groups span "
+          f"workers). Use fit / evaluate / predict, or strategy.run.")
     return tf.concat([tf.convert_to_tensor(by_rank[r])
                       for r in range(self.groups.expert)], 0)
 

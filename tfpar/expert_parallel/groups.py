@@ -108,6 +108,14 @@ class Launchers:
     keys = cross_device_utils.CollectiveKeys(
         group_key_start=1 + engine.next_collective_key_base())
     options = options or collective_util.Options()
+    # Keys are numbered in the order groups are first seen: every worker
+    # numbers every group, in replica order, so that a group has the same
+    # key on each of its members' workers (numbering only its own groups,
+    # worker 1's first expert group took worker 0's key).
+    keys.get_group_key(list(heads))
+    for group_of in (groups.expert_group, groups.expert_data_group):
+      for replica in range(groups.data):
+        keys.get_group_key([heads[r] for r in group_of(replica)])
     self._all_to_all = {}
     self._expert_data = {}
     self._everyone = {}
