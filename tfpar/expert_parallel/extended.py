@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import keras_hub_names
+from tfpar._compat import keras_layers
 from tfpar._compat import keras_modules
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
@@ -68,7 +69,9 @@ class MoEContext:
     """The whole [E, ...] tensor of an expert variable, for calls outside
     the replicas (every rank must be on this worker, except while Keras
     traces shapes only)."""
-    weight = self._expert_variables[id(variable.value)]
+    # Not `variable.value`: inside a layer under a mixed policy that is a
+    # cast copy.
+    weight = self._expert_variables[id(keras_layers.storage(variable))]
     by_rank = weight.components_by_rank()
     missing = [r for r in range(self.groups.expert) if r not in by_rank]
     if missing and keras_modules.symbolic_scope.in_symbolic_scope():

@@ -131,7 +131,13 @@ def load_balancing_loss(router_probs, experts, num_experts, mask, global_sum):
     num_experts: E.
     mask: [T] float, 1 for tokens that count.
     global_sum: sums a tensor over every replica (differentiably).
+
+  Returns:
+    A float32 scalar, whatever the compute dtype (Keras sums a model's
+    losses together, and its other losses are float32 under mixed
+    policies).
   """
+  router_probs = tf.cast(router_probs, tf.float32)
   mask = tf.cast(mask, router_probs.dtype)
   chosen = tf.one_hot(experts, num_experts, dtype=router_probs.dtype)
   counts = tf.reduce_sum(chosen * mask[:, None, None], axis=0)  # [k, E]
