@@ -39,6 +39,8 @@ _NEEDED = {
     base_optimizer: ("clip_by_global_norm",),
     loss_scale_optimizer: ("LossScaleOptimizer",),
     data_adapters: ("data_adapter_utils",),
+    symbolic_scope: ("in_symbolic_scope",),
+    keras_tracking: ("DotNotTrackScope",),
 }
 for _module, _names in _NEEDED.items():
   for _name in _names:
