@@ -100,6 +100,17 @@ def max_weight_difference(model, reference):
   return max(float(np.abs(a - b).max()) for (_, a), (_, b) in zip(ours, theirs))
 
 
+def assert_ranks_hold_their_experts(variable, expert):
+  """Replicas of one expert group hold different experts in `variable`,
+  replicas of the same expert rank the same ones."""
+  components = variable._value.values  # pylint: disable=protected-access
+  values = [c.numpy() for c in components]
+  for replica in range(len(values)):
+    for other in range(len(values)):
+      same = replica % expert == other % expert
+      assert np.array_equal(values[replica], values[other]) == same
+
+
 def expert_bytes_by_device(variables):
   """{device: bytes} of the components of `variables` (tf.Variables on
   each device), counted from the components themselves."""
@@ -193,14 +204,7 @@ def test_each_device_holds_its_share_of_the_experts(request, fixture,
   assert slots
   slot_bytes = expert_bytes_by_device(slots)
   assert set(slot_bytes.values()) == {whole // expert * (len(slots) // 6)}
-  # Replicas of one expert group hold different experts, replicas of the
-  # same expert rank the same ones.
-  components = experts[0]._value.values  # pylint: disable=protected-access
-  values = [c.numpy() for c in components]
-  for replica in range(4):
-    for other in range(4):
-      same = replica % expert == other % expert
-      assert np.array_equal(values[replica], values[other]) == same
+  assert_ranks_hold_their_experts(experts[0], expert)
 
 
 def test_all_to_all_bytes_match_the_formula(mixtral_sgd):

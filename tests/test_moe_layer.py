@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
+from test_expert_parallel import assert_ranks_hold_their_experts
 from test_expert_parallel import expert_bytes_by_device
 
 VOCAB, SEQUENCE, BATCH, STEPS = 32, 8, 8, 10
@@ -138,14 +139,7 @@ def test_each_device_holds_its_share_of_the_experts(request, fixture,
   per_device = expert_bytes_by_device(experts)
   assert len(per_device) == 4
   assert set(per_device.values()) == {whole // expert}
-  # Replicas of one expert rank hold the same experts, of other ranks
-  # different ones.
-  components = experts[0]._value.values  # pylint: disable=protected-access
-  values = [c.numpy() for c in components]
-  for replica in range(4):
-    for other in range(4):
-      same = replica % expert == other % expert
-      assert np.array_equal(values[replica], values[other]) == same
+  assert_ranks_hold_their_experts(experts[0], expert)
 
 
 def _aux_losses_per_replica(model, strategy, tokens):
