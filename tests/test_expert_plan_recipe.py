@@ -230,7 +230,7 @@ def test_untested_settings_leave_expert_layouts_out(moe_model):
                           node_size=1, **kwargs)
     assert not any(c.layout.expert > 1 for c in result.candidates)
     assert any(n.startswith("Expert-parallel layouts left out") and
-               "untested with tfpar.ExpertParallelStrategy" in n
+               "do not offer tfpar.ExpertParallelStrategy" in n
                for n in result.notes)
   with pytest.raises(ValueError, match=r"expert=2 needs a model with "
                      r"mixture-of-experts layers"):
