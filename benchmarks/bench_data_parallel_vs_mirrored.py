@@ -26,7 +26,6 @@ Run from the repository root:
 import argparse
 import os
 import statistics
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -72,16 +71,11 @@ def main(argv=None):
   for model in models.values():  # compile + trace, untimed
     timed_fit(model, x, y, args)
 
-  times = {name: [] for name in models}
-  names = list(models)
-  for run in range(args.runs):
-    for name in common.alternating(names, run):
-      times[name].append(timed_fit(models[name], x, y, args))
-      print(f"run {run + 1}/{args.runs} {name}: "
-            f"{times[name][-1] * 1e3:.2f} ms/step", file=sys.stderr)
+  times = common.alternating_times(
+      models, args.runs, lambda name: timed_fit(models[name], x, y, args))
 
   medians = {name: statistics.median(t) for name, t in times.items()}
-  tfpar_name, mirrored_name = names
+  tfpar_name, mirrored_name = models
   ratio, paired = common.ratios(times[tfpar_name], times[mirrored_name])
   print(f"\n{NUM_DEVICES} virtual CPUs, MLP with {num_params:,} parameters, "
         f"global batch {args.global_batch}, {args.steps - args.skip_steps} "

@@ -229,12 +229,8 @@ def main(argv=None):
       print(name, strategy.routing_report(), file=sys.stderr)
     timed_fit(model, dataset, args)  # Trace + warm-up, untimed.
 
-  times = {name: [] for name in models}
-  for run in range(args.runs):
-    for name in common.alternating(models, run):
-      times[name].append(timed_fit(models[name], dataset, args))
-      print(f"run {run + 1}/{args.runs} {name}: "
-            f"{times[name][-1] * 1e3:.2f} ms/step", file=sys.stderr)
+  times = common.alternating_times(
+      models, args.runs, lambda name: timed_fit(models[name], dataset, args))
 
   medians = {name: statistics.median(t) for name, t in times.items()}
   ratio = {name: common.ratios(t, times[DP_NAME]) for name, t in times.items()}

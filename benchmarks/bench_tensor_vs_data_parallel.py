@@ -44,7 +44,6 @@ import collections
 import os
 import re
 import statistics
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -170,12 +169,8 @@ def main(argv=None):
   for model in models.values():  # compile + trace, untimed
     timed_fit(model, dataset, args)
 
-  times = {name: [] for name in models}
-  for run in range(args.runs):
-    for name in common.alternating(models, run):
-      times[name].append(timed_fit(models[name], dataset, args))
-      print(f"run {run + 1}/{args.runs} {name}: "
-            f"{times[name][-1] * 1e3:.2f} ms/step", file=sys.stderr)
+  times = common.alternating_times(
+      models, args.runs, lambda name: timed_fit(models[name], dataset, args))
 
   medians = {name: statistics.median(t) for name, t in times.items()}
   ratio, paired = common.ratios(times[TP_NAME], times[DP_NAME])

@@ -38,7 +38,6 @@ Run from the repository root:
 import argparse
 import os
 import statistics
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -111,12 +110,9 @@ def main(argv=None):
                                                stage, ADAM_SLOTS)
                for name, stage in STAGES.items()}
 
-  times = {name: [] for name in models}
-  for run in range(args.runs):
-    for name in common.alternating(models, run):
-      times[name].append(timed_fit(models[name], x, y, args, STAGES[name]))
-      print(f"run {run + 1}/{args.runs} {name}: "
-            f"{times[name][-1] * 1e3:.2f} ms/step", file=sys.stderr)
+  times = common.alternating_times(
+      models, args.runs,
+      lambda name: timed_fit(models[name], x, y, args, STAGES[name]))
 
   medians = {name: statistics.median(t) for name, t in times.items()}
   ratios = {name: common.ratios(times[name], times[PLAIN])

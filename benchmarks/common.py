@@ -8,6 +8,7 @@ configure virtual CPUs before TensorFlow starts.
 
 import json
 import statistics
+import sys
 import time
 
 
@@ -107,6 +108,25 @@ def alternating(names, run):
   configuration always goes first."""
   names = list(names)
   return names if run % 2 == 0 else names[::-1]
+
+
+def alternating_times(names, runs, time_once):
+  """{name: [seconds per step of each run]} over `runs` runs, each run
+  timing every name once in `alternating` order; prints each measurement
+  to stderr as it comes.
+
+  Args:
+    names: the configurations (any iterable of names, e.g. a dict).
+    runs: how many runs.
+    time_once: `time_once(name)` -> seconds per step of one timed fit.
+  """
+  times = {name: [] for name in names}
+  for run in range(runs):
+    for name in alternating(times, run):
+      times[name].append(time_once(name))
+      print(f"run {run + 1}/{runs} {name}: {times[name][-1] * 1e3:.2f} "
+            f"ms/step", file=sys.stderr)
+  return times
 
 
 def ratios(numerator, denominator):
