@@ -152,7 +152,7 @@ def build_bytes(loads, facts, expert, precision):
 # mixed_float16 experts train outside stock Mirrored's spread
 # (docs/expert_parallel.md), and a recipe of kind "expert_parallel" takes
 # no [training] table.
-_UNTESTED_PRECISIONS = ("mixed_float16", "mixed_bfloat16")
+_PRECISIONS_NOT_OFFERED = ("mixed_float16", "mixed_bfloat16")
 
 
 def planned_sizes(devices, facts, precision, accumulation_steps):
@@ -174,15 +174,15 @@ def planned_sizes(devices, facts, precision, accumulation_steps):
   ([], 'Expert-parallel layouts left out')
   """
   sizes = expert_sizes(devices, facts)
-  untested = []
-  if precision in _UNTESTED_PRECISIONS:
-    untested.append(f"precision={precision!r}")
+  not_offered = []
+  if precision in _PRECISIONS_NOT_OFFERED:
+    not_offered.append(f"precision={precision!r}")
   if accumulation_steps:
-    untested.append(f"gradient_accumulation_steps={accumulation_steps}")
-  if not sizes or not untested:
+    not_offered.append(f"gradient_accumulation_steps={accumulation_steps}")
+  if not sizes or not not_offered:
     return sizes, []
   return [], [
-      f"Expert-parallel layouts left out ({', '.join(untested)}): the "
+      f"Expert-parallel layouts left out ({', '.join(not_offered)}): the "
       f"planner and recipes do not offer tfpar.ExpertParallelStrategy with "
       f"Keras's mixed policies or gradient accumulation yet "
       f"(docs/expert_parallel.md)."]
