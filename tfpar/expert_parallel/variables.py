@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfpar._compat import checkpointing
 from tfpar._compat import keras_layers
+from tfpar.common import piece_terms
 from tfpar.common import split_weights
 from tfpar.memory import components
 
@@ -102,6 +103,14 @@ def split_expert_weight(variable, ranks, expert):
   Returns:
     An `ExpertWeight` whose `variable` replaces `variable` in its layer.
   """
+  if getattr(variable, "regularizer", None) is not None:
+    # Each rank's replicas would add its experts' term to a loss averaged
+    # over all replicas: 1/expert of one device's.
+    raise ValueError(
+        f"Expert weight {variable.path!r} has a regularizer "
+        f"({type(variable.regularizer).__name__}); expert parallelism does "
+        f"not apply weight regularizers to split experts yet. Remove it or "
+        f"train without an expert axis.")
   whole = np.asarray(variable.numpy())
   pieces = np.split(whole, expert, axis=0)
   with tf.init_scope():
@@ -116,6 +125,7 @@ def split_expert_weight(variable, ranks, expert):
           f"{len(ranks)} local replica(s).")
     for rank, component in zip(ranks, parts):
       component.assign(pieces[rank])
+  piece_terms.carry_over(variable, 0, [local])  # Its constraint.
   weight = ExpertWeight(variable.path, local, ranks, expert)
   checkpoint_whole(local, ranks, expert)
   # Keras's get_weights / set_weights speak whole weights

@@ -5,6 +5,7 @@ import keras
 import tensorflow as tf
 
 from tfpar._compat import keras_layers
+from tfpar.common import piece_terms
 from tfpar.common.split_weights import install_logical_saving
 from tfpar.common.split_weights import record_logical_weight
 from tfpar.common.split_weights import ShardedWeight
@@ -38,6 +39,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
     if variable_layout.axis is None:
       logical[variable.path] = variable
       continue
+    piece_terms.check_splittable(variable, variable_layout.axis)
     pieces = tf.split(tf.convert_to_tensor(variable.value), tensor_size,
                       variable_layout.axis)
     _release_spread(variable)  # Its creation-time slices, once read.
@@ -49,6 +51,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
                                name=f"{variable.name}_shard{index}")
       keras_layers.set_path(shard, f"{variable.path}_shard{index}")
       shards.append(shard)
+    piece_terms.carry_over(variable, variable_layout.axis, shards)
     weight = ShardedWeight(variable_layout, shards)
     _replace(owner, variable, weight)
     logical[variable.path] = weight
