@@ -191,7 +191,7 @@ _TP = '[strategy]\nkind = "tensor_parallel"\n'
     (_PP.replace("4", "true") + "[mesh]\npipeline = 2\n",
      r"strategy\.num_microbatches must be a positive integer"),
     (_PP + 'schedule = "zigzag"\n[mesh]\npipeline = 2\n',
-     r"strategy\.schedule must be one of \['gpipe', '1f1b'\]"),
+     r"strategy\.schedule must be one of \['gpipe', '1f1b', 'interleaved'\]"),
     (_PP + 'recompute = "yes"\n[mesh]\npipeline = 2\n',
      r"strategy\.recompute must be true or false"),
     (_PP + 'stages = "block1"\n[mesh]\npipeline = 2\n',

@@ -65,7 +65,10 @@ class PipelineTrace(keras.callbacks.Callback):
       return
     tf.profiler.experimental.stop()
     self._active = False
-    self.trace = trace_lib.read_xspace(trace_lib.latest_xspace(self.log_dir))
+    mesh = getattr(self.model.distribute_strategy, "mesh", None)
+    self.trace = trace_lib.read_xspace(
+        trace_lib.latest_xspace(self.log_dir),
+        mesh.shape["pipeline"] if mesh is not None else None)
     self._write()
 
   def on_train_end(self, logs=None):

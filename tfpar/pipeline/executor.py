@@ -5,7 +5,7 @@ Each stage's work runs on its device (`tf.device`) under a name scope
 profiles identify it by. TF's executor imposes no order on independent ops
 (on virtual CPUs it runs backwards before forwards and several micro-batches
 of one stage at once), so every work item takes a control dependency on the
-outputs of the work its stage ran before: the order is the schedule's.
+outputs of the work its device ran before: the order is the schedule's.
 
 A forward records a `tf.GradientTape` of its stage (or, with activation
 recomputation, keeps only its input and records the tape again in the
@@ -88,10 +88,13 @@ class StageRunner:
 
   Args:
     stage_models: the Keras sub-model of each stage.
-    devices: the device of each stage in this replica.
-    schedule: `"gpipe"` or `"1f1b"`.
+    devices: the device of each stage in this replica (stage `s` and
+      stage `s + p` share a device under `interleaved`).
+    schedule: a name from `schedules.SCHEDULES`.
     recompute: keep only stage inputs in the forward and recompute the
       stage in its backward.
+    virtual_stages: stages per device, v (`interleaved`); the pipeline
+      has `len(stage_models) / v` devices.
 
   Example:
 
@@ -99,15 +102,27 @@ class StageRunner:
   >>> outputs, loss, grads = runner.train(microbatches, loss_fn, extra_fn)  # doctest: +SKIP
   """
 
-  def __init__(self, stage_models, devices, schedule, recompute=False):
+  def __init__(self, stage_models, devices, schedule, recompute=False,
+               virtual_stages=1):
     self._models = list(stage_models)
     self._devices = list(devices)
     self._schedule = schedule
     self._recompute = recompute
+    self._virtual_stages = virtual_stages
 
   @property
   def num_stages(self):
     return len(self._models)
+
+  @property
+  def pipeline_size(self):
+    """The devices of the pipeline (stage `s` runs on `s % pipeline_size`)."""
+    return self.num_stages // self._virtual_stages
+
+  def _orders(self, num_microbatches, backward=True):
+    return schedules.device_orders(self._schedule, self.pipeline_size,
+                                   num_microbatches, self._virtual_stages,
+                                   backward)
 
   def predict(self, microbatches, training=False, extra_loss_fn=None):
     """Forward passes only.
@@ -121,22 +136,24 @@ class StageRunner:
       (the last stage's output per micro-batch, the sum of the extra
       losses, 0 without `extra_loss_fn`).
     """
-    orders = schedules.stage_orders(self._schedule, self.num_stages,
-                                    len(microbatches), backward=False)
+    orders = self._orders(len(microbatches), backward=False)
     activations = {}
     extras = [tf.zeros(())]
-    chain = [[] for _ in self._models]
+    # Each device's work takes a control dependency on the outputs of the
+    # work it ran before: the order is the schedule's.
+    chain = [[] for _ in range(self.pipeline_size)]
     for work in schedules.build_order(orders):
       s, k = work.stage, work.microbatch
+      d = s % self.pipeline_size
       source = microbatches[k] if s == 0 else activations.pop((s - 1, k))
       with tf.device(self._devices[s]), tf.name_scope(work_scope(work)), \
-          tf.control_dependencies(chain[s]):
+          tf.control_dependencies(chain[d]):
         inputs = comm.send(source, self._devices[s])
         outputs = self._models[s](inputs, training=training)
         if extra_loss_fn is not None:
           extras.append(extra_loss_fn(k, self._models[s]))
       activations[(s, k)] = outputs
-      chain[s] = _flat(outputs)
+      chain[d] = _flat(outputs)
     return ([activations[(self.num_stages - 1, k)]
              for k in range(len(microbatches))],
             tf.add_n([tf.identity(e) for e in extras]))
@@ -158,17 +175,18 @@ class StageRunner:
       output depends on, as one device's tape gives).
     """
     m, p = len(microbatches), self.num_stages
-    orders = schedules.stage_orders(self._schedule, p, m)
+    orders = self._orders(m)
     variables = [list(model.trainable_variables) for model in self._models]
     saved = {}  # (s, k) -> (inputs, outputs, objective, tape)
     activations, input_grads, outputs_by_k = {}, {}, {}
     grad_sums = [None] * p
     losses = []
-    chain = [[] for _ in range(p)]
+    chain = [[] for _ in range(self.pipeline_size)]  # Per device.
     for work in schedules.build_order(orders):
       s, k = work.stage, work.microbatch
+      d = s % self.pipeline_size
       with tf.device(self._devices[s]), tf.name_scope(work_scope(work)), \
-          tf.control_dependencies(chain[s]):
+          tf.control_dependencies(chain[d]):
         if work.phase == schedules.FORWARD:
           source = microbatches[k] if s == 0 else activations.pop((s - 1, k))
           inputs = comm.send(source, self._devices[s])
@@ -185,7 +203,7 @@ class StageRunner:
             activations[(s, k)] = outputs
           else:
             outputs_by_k[k] = outputs
-          chain[s] = _flat(outputs) + [objective]
+          chain[d] = _flat(outputs) + [objective]
         else:
           inputs, outputs, objective, tape = saved.pop((s, k))
           if tape is None:  # Recompute the stage, recording it this time.
@@ -218,7 +236,7 @@ class StageRunner:
                        for g in grads[num_inputs:]]
           grad_sums[s] = var_grads if grad_sums[s] is None else [
               _accumulate(a, g) for a, g in zip(grad_sums[s], var_grads)]
-          chain[s] = input_grad + _flat(grad_sums[s])
+          chain[d] = input_grad + _flat(grad_sums[s])
     gradients = {}
     for s in range(p):
       for variable, grad in zip(variables[s], grad_sums[s] or []):

@@ -35,19 +35,22 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     container_strategy: the public strategy.
     mesh: the `tfpar.Mesh` (data x pipeline x tensor).
     num_microbatches: micro-batches per replica batch.
-    schedule: `"gpipe"` or `"1f1b"`.
-    stages: `"auto"` or the names of the layers starting stages 1..p-1.
+    schedule: a name from `schedules.SCHEDULES`.
+    stages: `"auto"` or the names of the layers starting stages 1..v p-1.
     recompute: recompute each stage's forward in its backward.
     plan: the `tfpar.ShardingPlan` of tensor-parallel stages.
+    virtual_stages: stages per device, v (`interleaved`).
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
   """
 
   def __init__(self, container_strategy, mesh, num_microbatches, schedule,
-               stages, recompute, plan, communication_options=None):
+               stages, recompute, virtual_stages, plan,
+               communication_options=None):
     super().__init__(container_strategy, mesh, communication_options)
     self.num_microbatches = num_microbatches
     self.schedule = schedule
+    self.virtual_stages = virtual_stages
     self.stages = stages
     self.recompute = recompute
     self.plan = plan
@@ -55,8 +58,13 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     keras_hooks.install_batch_size_checks()
 
   @property
-  def num_stages(self):
+  def pipeline_size(self):
     return self._mesh.shape["pipeline"]
+
+  @property
+  def num_stages(self):
+    """Stages the model is cut into: v per device of the pipeline."""
+    return self.pipeline_size * self.virtual_stages
 
   @property
   def tensor_size(self):
@@ -100,8 +108,8 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     split = {v.path for layout in layer_layouts or () for v in
              layout.variables if v.axis is not None}
     placement.place_stage_variables(self._container_strategy(), plan,
-                                    self._local_groups, self.tensor_size,
-                                    skip=split)
+                                    self._local_groups, self.pipeline_size,
+                                    self.tensor_size, skip=split)
     if layer_layouts is not None:
       self._shard_stages(model, plan, layer_layouts)
     for variable in spread.pending_weights(model):  # In no stage.
@@ -130,7 +138,8 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     for index, layout in spread.interleaved(by_stage, layout_bytes):
       tensor_parallel_extended.shard_layers(
           self, [layout], self.tensor_size,
-          first_column=index * self.tensor_size)
+          first_column=placement.stage_column(index, self.pipeline_size,
+                                              self.tensor_size))
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     whole_weights.install(model)
     if getattr(model, "optimizer", None) is not None:
@@ -141,8 +150,8 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     return executor.StageRunner(
         [stage.model for stage in plan.stages],
         placement.stage_devices(plan, self.current_group(),
-                                self.tensor_size), self.schedule,
-        self.recompute)
+                                self.pipeline_size, self.tensor_size),
+        self.schedule, self.recompute, self.virtual_stages)
 
   preparation = "cut it into pipeline stages"
 

@@ -6,10 +6,16 @@ from tfpar._compat import keras_layers
 from tfpar.engine import spread
 
 
-def place_stage_variables(strategy, plan, groups, columns_per_stage=1,
-                          skip=()):
+def stage_column(stage_index, pipeline_size, columns_per_stage=1):
+  """The first column of a replica's devices that runs stage
+  `stage_index`: stages `s`, `s + p`, ... share a device (interleaved)."""
+  return (stage_index % pipeline_size) * columns_per_stage
+
+
+def place_stage_variables(strategy, plan, groups, pipeline_size,
+                          columns_per_stage=1, skip=()):
   """Re-creates every variable of stage `s` on its head device (device
-  `s x columns_per_stage`) of each replica.
+  `(s % pipeline_size) x columns_per_stage`) of each replica.
 
   Models are built before they are cut, so their variables start on the
   replicas' head devices; each moves once, keeping its value, before the
@@ -19,6 +25,8 @@ def place_stage_variables(strategy, plan, groups, columns_per_stage=1,
     strategy: the pipeline strategy.
     plan: the model's `StagePlan`.
     groups: the device group of every local replica.
+    pipeline_size: the devices of a pipeline (fewer than the stages when
+      each device runs several, interleaved).
     columns_per_stage: devices per stage in a replica (the tensor size).
     skip: paths of variables not to move (split over the tensor axis
       next, from where they were created).
@@ -28,7 +36,7 @@ def place_stage_variables(strategy, plan, groups, columns_per_stage=1,
   moving = {stage.index: [v for v in stage.variables if v.path not in skip]
             for stage in plan.stages}
   for index, variable in spread.interleaved(moving, spread.nbytes):
-    column = index * columns_per_stage
+    column = stage_column(index, pipeline_size, columns_per_stage)
     devices = tuple(group[column] for group in groups)
     specs = tuple(tf.DeviceSpec.from_string(d) for d in devices)
     current = keras_layers.storage(variable)
@@ -52,7 +60,8 @@ def _devices_of(distributed_variable):
   return tuple(tf.DeviceSpec.from_string(c.device) for c in components)
 
 
-def stage_devices(plan, group, columns_per_stage=1):
+def stage_devices(plan, group, pipeline_size, columns_per_stage=1):
   """The head device of every stage in one replica's group."""
-  return tuple(group[stage.index * columns_per_stage]
+  return tuple(group[stage_column(stage.index, pipeline_size,
+                                  columns_per_stage)]
                for stage in plan.stages)

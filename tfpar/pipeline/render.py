@@ -1,6 +1,8 @@
 """Drawing a schedule trace as a swimlane picture (PNG).
 
-One lane per stage (top: stage 0), time to the right, like the GPipe and
+One lane per device (top: the first; under the interleaved schedule a
+device's virtual stages share its lane, later ones in darker shades), time
+to the right, like the GPipe and
 1F1B diagrams: forward work in blue, backward in green, each box labelled
 with its micro-batch number, idle time (the bubble) left white. A box is
 drawn wherever an op of the work item ran. Drawn with
@@ -24,21 +26,23 @@ def swimlane_image(trace, replica=0, width=1200, lane_height=36):
     trace: a `ScheduleTrace`.
     replica: which replica's pipeline to draw.
     width: image width in pixels.
-    lane_height: pixels per stage.
+    lane_height: pixels per device.
   """
   events = [e for e in trace.events if e.replica == replica]
   start = min(e.start_us for e in events)
   span = max(e.end_us for e in events) - start or 1.0
   margin = 8
-  height = trace.num_stages * lane_height + 2 * margin
+  height = trace.pipeline_size * lane_height + 2 * margin
   image = np.full((height, width + 2 * margin, 3), 255, np.uint8)
   scale = max(1, (lane_height - 8) // (2 * bitmap_font.HEIGHT))
-  for stage in range(trace.num_stages + 1):
-    image[margin + stage * lane_height, margin:margin + width] = _GRID
+  for lane in range(trace.pipeline_size + 1):
+    image[margin + lane * lane_height, margin:margin + width] = _GRID
   for event in events:
-    top = margin + event.stage * lane_height + 2
+    top = margin + trace.device_of(event.stage) * lane_height + 2
     bottom = top + lane_height - 4
     color = _FORWARD if event.phase == "forward" else _BACKWARD
+    chunk = event.stage // trace.pipeline_size  # Its virtual stage.
+    color = (color * 0.7**chunk).astype(np.uint8)
     boxes = []
     for lo, hi in trace_lib.busy_intervals(event):
       left = margin + int((lo - start) / span * width)

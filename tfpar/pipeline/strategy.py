@@ -9,12 +9,14 @@ from tfpar.engine import strategy as engine_strategy
 from tfpar.engine import training_summary
 from tfpar.pipeline import cross_worker
 from tfpar.pipeline import extended as extended_lib
+from tfpar.pipeline import placement
 from tfpar.pipeline import schedules
 from tfpar.tensor_parallel import plan as plan_lib
 
 
 class PipelineParallelStrategy(engine_strategy.MeshStrategy):
-  """GPipe and 1F1B pipeline parallelism for stock Keras 3 models.
+  """GPipe, 1F1B and interleaved 1F1B pipeline parallelism for stock Keras
+  3 models.
 
   A `Sequential` model, or a Functional model that is a chain of blocks,
   created in `strategy.scope()` is cut into `pipeline` stages when built;
@@ -42,12 +44,17 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     num_microbatches: micro-batches per replica batch (m). The bubble is
       (p - 1) / (m + p - 1); use m >= 4p.
     schedule: `"1f1b"` (one forward, one backward: at most p micro-batches
-      of activations alive per stage) or `"gpipe"` (all forwards, then all
-      backwards: m alive).
+      of activations alive per stage), `"gpipe"` (all forwards, then all
+      backwards: m alive) or `"interleaved"` (Megatron-LM's interleaved
+      1F1B: the model is cut into `virtual_stages x p` stages, device d
+      runs stages d, d + p, ...; bubble (p - 1) / (v m + p - 1); m must
+      be a multiple of p).
     stages: `"auto"` to balance the stages' estimated costs, or the names
-      of the layers that start stages 1 .. p-1.
+      of the layers that start stages 1 .. v p - 1.
     recompute: keep only each stage's input in the forward and recompute
       the stage in its backward (less activation memory, one more forward).
+    virtual_stages: stages per pipeline device, v (`"interleaved"` only,
+      at least 2).
     plan: with a `tensor` axis, how the stages' layers are split: a
       `tfpar.ShardingPlan`, a list of `(regex, style)` rules, or None for
       the built-in plans (see `tfpar.TensorParallelStrategy`).
@@ -74,15 +81,13 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
 
   def __init__(self, mesh=None, num_microbatches=None, schedule="1f1b",
                stages="auto", recompute=False, plan=None,
-               communication_options=None):
+               communication_options=None, virtual_stages=1):
     if (not isinstance(num_microbatches, numbers.Integral) or
         isinstance(num_microbatches, bool) or num_microbatches < 1):
       raise ValueError(
           f"num_microbatches must be a positive integer. Received: "
           f"num_microbatches={num_microbatches!r}")
-    if schedule not in schedules.SCHEDULES:
-      raise ValueError(f"schedule must be one of {schedules.SCHEDULES}. "
-                       f"Received: schedule={schedule!r}")
+    schedules.check_interleaving(schedule, virtual_stages, 1, None)
     if stages != "auto" and (
         isinstance(stages, str) or
         not all(isinstance(name, str) for name in stages)):
@@ -92,7 +97,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
       raise ValueError(f"recompute must be True or False. Received: "
                        f"recompute={recompute!r}")
     self._options = (int(num_microbatches), schedule,
-                     stages if stages == "auto" else tuple(stages), recompute)
+                     stages if stages == "auto" else tuple(stages), recompute,
+                     virtual_stages)
     self._plan = None if plan is None else plan_lib.as_plan(plan)
     if mesh is None:
       mesh = mesh_lib.Mesh.from_cluster_resolver()
@@ -102,14 +108,25 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
             f"Tensor-parallel stages (tensor={mesh.shape['tensor']}) need "
             f"each pipeline inside one worker: put the workers on the 'data' "
             f"axis (pipeline x tensor dividing the devices per worker).")
+      if schedule == "interleaved":
+        raise ValueError(
+            "schedule='interleaved' runs inside one worker: put the workers "
+            "on the 'data' axis, or use '1f1b' or 'gpipe' for a pipeline "
+            "across workers.")
       mesh = cross_worker.driver_mesh(mesh)  # Other workers serve, then exit.
+    if isinstance(mesh, mesh_lib.Mesh):  # Before any work (the engine
+      # checks every other kind of mesh first).
+      schedules.check_interleaving(schedule, virtual_stages,
+                                   mesh.shape["pipeline"], num_microbatches)
     super().__init__(mesh, communication_options)
     stages_count = self.mesh.shape["pipeline"]
+    schedules.check_interleaving(schedule, virtual_stages, stages_count,
+                                 num_microbatches)
     if num_microbatches < stages_count:
       warnings.warn(
           f"num_microbatches={num_microbatches} is fewer than the "
           f"{stages_count} pipeline stages: the expected bubble is "
-          f"{schedules.bubble_fraction(stages_count, num_microbatches):.0%} "
+          f"{self.expected_bubble:.0%} "
           f"of the step (p - 1) / (m + p - 1). Use at least "
           f"{4 * stages_count} micro-batches (4 x stages).", stacklevel=2)
 
@@ -132,14 +149,20 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
 
   @property
   def schedule(self):
-    """`"gpipe"` or `"1f1b"`."""
+    """`"gpipe"`, `"1f1b"` or `"interleaved"`."""
     return self.extended.schedule
 
   @property
+  def virtual_stages(self):
+    """Stages per pipeline device (more than 1 under `"interleaved"`)."""
+    return self.extended.virtual_stages
+
+  @property
   def expected_bubble(self):
-    """The ideal bubble fraction (p - 1) / (m + p - 1) of this setting."""
+    """The ideal bubble fraction (p - 1) / (v m + p - 1) of this setting."""
     return schedules.bubble_fraction(self.mesh.shape["pipeline"],
-                                     self.num_microbatches)
+                                     self.num_microbatches,
+                                     self.virtual_stages)
 
   def describe(self, model, print_fn=print):
     """Prints (and returns) how every variable of `model` is laid out: its
@@ -176,9 +199,10 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     if plan is None:
       plan = self.extended.stage_plan(model)
     devices = self.mesh.replica_devices(0)
-    tensor = self.mesh.shape["tensor"]
-    text = plan.describe([" ".join(devices[s * tensor:(s + 1) * tensor])
-                          for s in range(len(plan))])
+    tensor, pipeline = self.mesh.shape["tensor"], self.mesh.shape["pipeline"]
+    columns = [placement.stage_column(s, pipeline, tensor)
+               for s in range(len(plan))]
+    text = plan.describe([" ".join(devices[c:c + tensor]) for c in columns])
     text += "\n" + training_summary.training_line(model)
     if print_fn is not None:
       print_fn(text)

@@ -7,7 +7,9 @@ op it ran with its full name and its start and end. A work item spans its
 first op's start to its last op's end, and is busy while one of its ops
 runs (TF names the gradient ops of a
 backward `gradient_tape/<forward op>`, so those count as backward). The measured bubble is the share of
-the step's `p x makespan` device time in which a stage ran none of its ops.
+the step's `p x makespan` device time in which a device ran none of its
+ops; under the interleaved schedule a device runs several stages (stage `s`
+on device `s % p`).
 """
 
 import collections
@@ -43,6 +45,8 @@ class ScheduleTrace:
 
   Args:
     events: `TraceEvent`s (times in microseconds).
+    pipeline_size: the devices of a pipeline, p (default: one per stage);
+      stage `s` ran on device `s % p`.
 
   Example:
 
@@ -53,10 +57,15 @@ class ScheduleTrace:
   0.5
   """
 
-  def __init__(self, events):
+  def __init__(self, events, pipeline_size=None):
     # Ordered by end: a work item's first ops (variable reads, shapes) may
     # run early, its last ones wait for its data.
     self.events = sorted(events, key=lambda e: (e.end_us, e.stage))
+    self.pipeline_size = pipeline_size or self.num_stages
+
+  def device_of(self, stage):
+    """The pipeline device (lane) that ran `stage`."""
+    return stage % self.pipeline_size
 
   @property
   def num_stages(self):
@@ -83,30 +92,35 @@ class ScheduleTrace:
     events = [e for e in self.events if e.replica == replica]
     start = min(e.start_us for e in events)
     makespan = max(e.end_us for e in events) - start
-    busy = sum(_union_length([i for e in events if e.stage == s
-                              for i in busy_intervals(e)])
-               for s in range(self.num_stages))
-    return 1.0 - busy / (self.num_stages * makespan) if makespan else 0.0
+    p = self.pipeline_size
+    busy = sum(_union_length([i for e in events if self.device_of(e.stage)
+                              == d for i in busy_intervals(e)])
+               for d in range(p))
+    return 1.0 - busy / (p * makespan) if makespan else 0.0
 
   def summary(self, num_microbatches):
-    """One line: measured bubble beside the formula (p - 1) / (m + p - 1)."""
-    formula = schedules.bubble_fraction(self.num_stages, num_microbatches)
+    """One line: measured bubble beside the formula (p - 1) / (v m + p - 1)."""
+    p = self.pipeline_size
+    v = self.num_stages // p
+    formula = schedules.bubble_fraction(p, num_microbatches, v)
     return (f"pipeline bubble: measured {self.bubble_fraction():.3f}, "
-            f"formula (p-1)/(m+p-1) = {formula:.3f} "
-            f"(p={self.num_stages}, m={num_microbatches})")
+            f"formula (p-1)/(v m+p-1) = {formula:.3f} "
+            f"(p={p}, v={v}, m={num_microbatches})")
 
   def to_chrome_trace(self, path):
     """Writes the work items as Chrome trace events (chrome://tracing,
-    Perfetto, TensorBoard's trace viewer), one thread per stage."""
+    Perfetto, TensorBoard's trace viewer), one thread per device."""
     events = [{
         "name": f"{e.phase[0].upper()}{e.microbatch}", "ph": "X",
-        "pid": e.replica, "tid": e.stage, "ts": e.start_us,
+        "pid": e.replica, "tid": self.device_of(e.stage), "ts": e.start_us,
         "dur": e.end_us - e.start_us,
         "args": {"stage": e.stage, "microbatch": e.microbatch,
                  "phase": e.phase}} for e in self.events]
-    names = [{"name": "thread_name", "ph": "M", "pid": r, "tid": s,
-              "args": {"name": f"stage {s}"}}
-             for r in self.replicas for s in range(self.num_stages)]
+    names = [{"name": "thread_name", "ph": "M", "pid": r, "tid": d,
+              "args": {"name": ", ".join(
+                  f"stage {s}" for s in range(d, self.num_stages,
+                                              self.pipeline_size))}}
+             for r in self.replicas for d in range(self.pipeline_size)]
     with open(path, "w") as f:
       json.dump({"traceEvents": names + events,
                  "displayTimeUnit": "ms"}, f)
@@ -136,8 +150,13 @@ def latest_xspace(log_dir):
   return max(files, key=os.path.getmtime)
 
 
-def read_xspace(path):
-  """The `ScheduleTrace` of the pipeline ops in a profiler capture."""
+def read_xspace(path, pipeline_size=None):
+  """The `ScheduleTrace` of the pipeline ops in a profiler capture.
+
+  Args:
+    path: an `*.xplane.pb` file.
+    pipeline_size: the devices of a pipeline (default: one per stage).
+  """
   from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
   space = xplane_pb2.XSpace()
   with open(path, "rb") as f:
@@ -164,5 +183,6 @@ def read_xspace(path):
         f"The profiler capture {path!r} has no pipeline work: profile a "
         f"step of a model trained under PipelineParallelStrategy.")
   return ScheduleTrace(
-      TraceEvent(*key, min(lo for lo, _ in ops), max(hi for _, hi in ops),
-                 tuple(_merged(ops))) for key, ops in spans.items())
+      [TraceEvent(*key, min(lo for lo, _ in ops), max(hi for _, hi in ops),
+                  tuple(_merged(ops))) for key, ops in spans.items()],
+      pipeline_size)

@@ -36,7 +36,7 @@ KINDS = ("data_parallel", "tensor_parallel", "pipeline_parallel",
 # The same as tfpar.mesh.AXES and tfpar.pipeline.schedules.SCHEDULES (a test
 # checks), repeated here so that checking a recipe does not start TensorFlow.
 AXES = ("data", "pipeline", "tensor")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (1, 2, 3)
 OFFLOADS = ("none", "cpu")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -155,7 +155,11 @@ _SECTIONS = {
         "schedule": _Key(f"must be one of {list(SCHEDULES)}",
                          _one_of(SCHEDULES), _PIPELINE),
         "stages": _Key("must be \"auto\" or a list of the layer names that "
-                       "start stages 1 .. p-1", _stages, _PIPELINE),
+                       "start stages 1 .. v p-1", _stages, _PIPELINE),
+        "virtual_stages": _Key("must be a positive integer (stages per "
+                               "pipeline device, at least 2 with schedule "
+                               "\"interleaved\")", _positive_int,
+                               _PIPELINE),
         "recompute": _Key("must be true or false", _bool, _PIPELINE),
         "sequence_parallel": _Key("must be true or false", _bool, _TENSOR),
         "expert": _Key("must be a positive integer (the data replicas each "
