@@ -4,8 +4,10 @@ parallelism does.
 TensorFlow's runtime keeps a record for every collective instance key it
 has seen, and its strategies feed a new key to every collective at every
 call. ZeRO's collectives reuse the keys fixed when the step is traced (one
-process) and travel in buckets; these tests count the keys and measure the
-resident memory of a real training process.
+process) and travel in buckets, and stage 3's per-weight collectives take
+keys fixed by what they move (also across workers,
+test_zero_memory_multi_worker.py); these tests count the keys and measure
+the resident memory of a real training process.
 """
 
 import os

@@ -24,6 +24,13 @@ require(cross_device_ops_lib.CollectiveAllReduce, "_all_reduce",
         "all-reduce without merge_call")
 require(distribute_lib.StrategyExtendedV2, "_container_strategy",
         "the strategy of an extended")
+require(collective_ops, "all_gather_v2", "all-gathers with fixed keys")
+require(tf.Graph, "building_function", "the function being traced")
+
+# Instance keys tfpar fixes itself (`fixed_key` of `all_gather`), far above
+# TensorFlow's: its `CollectiveKeys` start each group at 100 and count up
+# by one per collective launch (a billion launches to get here).
+FIXED_INSTANCE_KEYS = range(1 << 30, 1 << 31)
 
 
 def group_size(launcher):
@@ -36,12 +43,27 @@ def launcher_device(launcher):
   return require(launcher, "_device", "collective device")
 
 
-def all_to_all(launcher, chunks):
+def _instance_key(launcher, fixed):
+  """The instance key tensor of a collective: `fixed` (an int of
+  `FIXED_INSTANCE_KEYS`), or the launcher's own (a new one per call
+  across workers)."""
+  if fixed is None:
+    return launcher._next_instance_key()  # pylint: disable=protected-access
+  if fixed not in FIXED_INSTANCE_KEYS:
+    raise ValueError(f"Instance key {fixed} is outside tfpar's fixed keys "
+                     f"{FIXED_INSTANCE_KEYS}.")
+  with tf.device("CPU:0"):
+    return tf.constant(fixed, tf.int32)
+
+
+def all_to_all(launcher, chunks, fixed_key=None):
   """TensorFlow's all-to-all over a launcher's group: chunk j of `chunks`
   (first dimension the group size) goes to member j; returns what each
   member sent this one, in member order. CPU has no reduce-scatter
-  kernel, so ZeRO's reduce-scatter is built on this too."""
-  instance_key = launcher._next_instance_key()  # pylint: disable=protected-access
+  kernel, so ZeRO's reduce-scatter is built on this too. `fixed_key`: an
+  instance key of `FIXED_INSTANCE_KEYS` that every call takes, or None
+  for the launcher's."""
+  instance_key = _instance_key(launcher, fixed_key)
   with tf.device(launcher_device(launcher)):
     received = collective_ops.all_to_all_v2(
         chunks, group_size(launcher),
@@ -50,9 +72,34 @@ def all_to_all(launcher, chunks):
   return received
 
 
-def all_gather(launcher, tensor):
-  """Every member's `tensor` concatenated along the first axis."""
-  return launcher._all_gather(tensor, None)  # pylint: disable=protected-access
+def all_gather(launcher, tensor, fixed_key=None):
+  """Every member's `tensor` concatenated along the first axis;
+  `fixed_key` as for `all_to_all`."""
+  if fixed_key is None:
+    return launcher._all_gather(tensor, None)  # pylint: disable=protected-access
+  instance_key = _instance_key(launcher, fixed_key)
+  # As `CollectiveReplicaLauncher._all_gather`, with the key given.
+  options = require(launcher, "_options", "collective options").merge(None)
+  with tf.device(launcher_device(launcher)):
+    return collective_ops.all_gather_v2(
+        tensor, group_size(launcher),
+        require(launcher, "_group_key", "collective group key"),
+        instance_key, communication_hint=options.implementation.value,
+        timeout=options.timeout_seconds,
+        ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+
+
+def traced_function_graph():
+  """The function graph being traced, or None when executing eagerly (or
+  building a TF1 graph). A branch of `tf.cond` or the body of a
+  `tf.while_loop` counts as the function it is in, as TensorFlow counts it
+  when it feeds instance keys (`CollectiveReplicaLauncher`)."""
+  if tf.executing_eagerly():
+    return None
+  graph = tf.compat.v1.get_default_graph()
+  while getattr(graph, "is_control_flow_graph", False):
+    graph = require(graph, "outer_graph", "the graph a branch is in")
+  return graph if graph.building_function else None
 
 
 def fix_instance_keys_at_trace_time(launcher):

@@ -14,8 +14,19 @@ gives each collective launch a new instance key, and its runtime keeps a
 record per key for the life of the process (about 300 bytes per key and
 device, measured), so per-weight collectives grew the process by that much
 per weight and step.
+
+Stage 3's per-weight collectives (the gathers of the forward pass and of
+the recomputed backward pass, and the gradients' reduce-scatters) take
+fixed instance keys instead (`fixed_key`): each key is a function of what
+the collective moves (the weight, the kind of collective, its dtype, and
+how many such collectives of that weight the traced function already
+launched), so every worker computes the same keys whatever else it
+traced, a call reuses its function's keys, and a key always goes with the
+same collective type, dtype and shape (TensorFlow pins those per key).
 """
 
+import itertools
+import threading
 import weakref
 
 import tensorflow as tf
@@ -69,7 +80,64 @@ def _launcher(context, column=None):
       distribute.local_replica_index(context)]
 
 
-def all_gather(flat_slice, phase, name, column=None):
+# Fixed instance keys (`fixed_key`). A site is a number every worker gives
+# the same weight: weights take them in the order they are sharded, as
+# every worker shards the same models in the same order (TensorFlow's own
+# strategies rely on the same order to broadcast initial values).
+_KINDS = {("all-gather", instrument.FORWARD): 0,
+          ("all-gather", instrument.BACKWARD): 1,
+          ("reduce-scatter", instrument.BACKWARD): 2,
+          ("reduce-scatter", instrument.FORWARD): 3}
+_DTYPES = 32  # TensorFlow's DataType enum of the collective's input.
+_OCCURRENCES = 64  # Per site, kind, dtype and traced function.
+_KEYS_PER_SITE = len(_KINDS) * _DTYPES * _OCCURRENCES
+_SITES = len(distribute.FIXED_INSTANCE_KEYS) // _KEYS_PER_SITE
+_site_counters = weakref.WeakKeyDictionary()  # extended -> count()
+_launched = weakref.WeakKeyDictionary()  # traced function graph -> {...}
+_launched_lock = threading.Lock()  # Replicas are traced in threads.
+
+
+def new_site(strategy):
+  """The next site of `strategy`'s ZeRO groups, for a weight being
+  sharded (see `fixed_key`)."""
+  with _launched_lock:
+    return next(_site_counters.setdefault(strategy.extended,
+                                          itertools.count()))
+
+
+def fixed_key(launcher, site, op, phase, dtype):
+  """The instance key of the collective `op` ("all-gather" or
+  "reduce-scatter") of `phase` on the weight of `site`, in `dtype`, that
+  the function being traced launches next on `launcher`'s device; None
+  (the launcher's own key) when executing eagerly, or for a collective
+  out of the fixed keys' range.
+
+  The key depends only on the weight, the collective's kind and dtype,
+  and how many of the same the traced function launched before on that
+  device: not on what else a worker traced, so every worker agrees. Two
+  collectives of one function never share a key; one key may serve
+  several functions (train and evaluate), which run one after the other,
+  as a function's keys serve each of its calls.
+  """
+  kind = _KINDS.get((op, phase))
+  graph = distribute.traced_function_graph()
+  code = dtype.as_datatype_enum
+  if (site is None or kind is None or graph is None or code >= _DTYPES or
+      site >= _SITES):
+    return None
+  slot = (distribute.launcher_device(launcher), site, kind, code)
+  with _launched_lock:
+    launched = _launched.setdefault(graph, {})
+    occurrence = launched.get(slot, 0)
+    launched[slot] = occurrence + 1
+  if occurrence >= _OCCURRENCES:
+    return None
+  return distribute.FIXED_INSTANCE_KEYS[
+      ((site * len(_KINDS) + kind) * _DTYPES + code) * _OCCURRENCES +
+      occurrence]
+
+
+def all_gather(flat_slice, phase, name, column=None, site=None):
   """Concatenates every replica's slice, in replica order.
 
   Args:
@@ -78,16 +146,19 @@ def all_gather(flat_slice, phase, name, column=None):
     name: the weight's path (for the log).
     column: under tensor parallelism, the index of the devices holding the
       slices within each replica (None or 0: the replica heads).
+    site: the weight's site (`new_site`): the gather takes a fixed
+      instance key (`fixed_key`); None: a new key per call.
   """
   context = tf.distribute.get_replica_context()
   launcher = _launcher(context, column)
   count = context.num_replicas_in_sync
   instrument.record("all-gather", phase,
                     instrument.moved_bytes(flat_slice, count - 1), name)
-  return distribute.all_gather(launcher, flat_slice)
+  key = fixed_key(launcher, site, "all-gather", phase, flat_slice.dtype)
+  return distribute.all_gather(launcher, flat_slice, key)
 
 
-def reduce_scatter(flat, phase, name, column=None):
+def reduce_scatter(flat, phase, name, column=None, site=None):
   """This replica's slice of the sum over replicas of `flat` (a vector
   whose length is a multiple of the replica count); arguments as for
   `all_gather`."""
@@ -97,7 +168,8 @@ def reduce_scatter(flat, phase, name, column=None):
   chunks = tf.reshape(flat, [count, -1])
   instrument.record("reduce-scatter", phase,
                     instrument.moved_bytes(chunks[0], count - 1), name)
-  received = distribute.all_to_all(launcher, chunks)
+  key = fixed_key(launcher, site, "reduce-scatter", phase, chunks.dtype)
+  received = distribute.all_to_all(launcher, chunks, key)
   with tf.device(distribute.launcher_device(launcher)):
     return tf.reduce_sum(tf.reshape(received, [count, -1]), axis=0)
 

@@ -51,6 +51,9 @@ class GatheredWeight(keras_layers.WholeAssignment):
     length = slices.components(self)[0].shape[0] * count
     shape, elements, path = self.shape, self.shape.num_elements(), self.path
     column = self._tfpar_zero_column
+    # The gathers and reduce-scatters of this weight take fixed collective
+    # keys: the process keeps no new record per key and step.
+    site = getattr(self, "_tfpar_zero_site", None)
 
     @tf.custom_gradient
     def gather(piece):
@@ -61,10 +64,11 @@ class GatheredWeight(keras_layers.WholeAssignment):
       low = keras_layers.autocast(self, piece)
       if low.dtype == tf.bfloat16:
         # CPU collectives take no bfloat16: move its bits as float16.
-        whole = tf.bitcast(collectives.all_gather(
-            tf.bitcast(low, tf.float16), phase, path, column), tf.bfloat16)
+        whole = tf.bitcast(
+            collectives.all_gather(tf.bitcast(low, tf.float16), phase, path,
+                                   column, site), tf.bfloat16)
       else:
-        whole = collectives.all_gather(low, phase, path, column)
+        whole = collectives.all_gather(low, phase, path, column, site)
 
       def grad(upstream):
         # The gradient is reduced in the weight's own dtype (float32).
@@ -74,7 +78,7 @@ class GatheredWeight(keras_layers.WholeAssignment):
               length // count, instrument.BACKWARD)
         return collectives.reduce_scatter(
             slices.padded_flat(tf.cast(upstream, piece.dtype), length),
-            instrument.BACKWARD, path, column)
+            instrument.BACKWARD, path, column, site)
       return tf.reshape(whole[:elements], shape), grad
     return gather(tf.convert_to_tensor(keras_layers.storage(self)))
 
@@ -149,6 +153,7 @@ def shard(model, state):
       keras_layers.replace_storage(weight, keras_layers.storage(piece))
       state.add_entry(weight, piece)
       weight._tfpar_zero_column = column  # pylint: disable=protected-access
+      weight._tfpar_zero_site = collectives.new_site(state.strategy)  # pylint: disable=protected-access
       weight.__class__ = _gathered_class(type(weight))
 
 
