@@ -40,14 +40,16 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     recompute: recompute each stage's forward in its backward.
     plan: the `tfpar.ShardingPlan` of tensor-parallel stages.
     virtual_stages: stages per device, v (`interleaved`).
+    float32_sums: tensor-parallel stages add partial sums in float32.
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
   """
 
   def __init__(self, container_strategy, mesh, num_microbatches, schedule,
                stages, recompute, virtual_stages, plan,
-               communication_options=None):
+               communication_options=None, float32_sums=False):
     super().__init__(container_strategy, mesh, communication_options)
+    self.float32_sums = float32_sums
     self.num_microbatches = num_microbatches
     self.schedule = schedule
     self.virtual_stages = virtual_stages

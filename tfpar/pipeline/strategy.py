@@ -11,6 +11,7 @@ from tfpar.pipeline import cross_worker
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
 from tfpar.pipeline import schedules
+from tfpar.tensor_parallel import layers as tensor_layers
 from tfpar.tensor_parallel import plan as plan_lib
 
 
@@ -55,6 +56,9 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
       the stage in its backward (less activation memory, one more forward).
     virtual_stages: stages per pipeline device, v (`"interleaved"` only,
       at least 2).
+    communication_dtype: with a `tensor` axis, what tensor-parallel stages
+      communicate in under a mixed policy: None (the compute dtype) or
+      `"float32"` (see `tfpar.TensorParallelStrategy`).
     plan: with a `tensor` axis, how the stages' layers are split: a
       `tfpar.ShardingPlan`, a list of `(regex, style)` rules, or None for
       the built-in plans (see `tfpar.TensorParallelStrategy`).
@@ -81,13 +85,15 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
 
   def __init__(self, mesh=None, num_microbatches=None, schedule="1f1b",
                stages="auto", recompute=False, plan=None,
-               communication_options=None, virtual_stages=1):
+               communication_options=None, virtual_stages=1,
+               communication_dtype=None):
     if (not isinstance(num_microbatches, numbers.Integral) or
         isinstance(num_microbatches, bool) or num_microbatches < 1):
       raise ValueError(
           f"num_microbatches must be a positive integer. Received: "
           f"num_microbatches={num_microbatches!r}")
     schedules.check_interleaving(schedule, virtual_stages, 1, None)
+    self._float32_sums = tensor_layers.float32_sums(communication_dtype)
     if stages != "auto" and (
         isinstance(stages, str) or
         not all(isinstance(name, str) for name in stages)):
@@ -133,7 +139,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
   def _make_extended(self, mesh, communication_options):
     return extended_lib.PipelineParallelExtended(
         self, mesh, *self._options, plan=plan_lib.as_plan(self._plan),
-        communication_options=communication_options)
+        communication_options=communication_options,
+        float32_sums=self._float32_sums)
 
   def _check_mesh(self, mesh):
     if self._plan is not None and mesh.shape["tensor"] == 1:

@@ -37,13 +37,16 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
     sequence_parallel: split position-wise regions along the sequence.
+    float32_sums: add partial sums in float32 under a mixed policy.
   """
 
   def __init__(self, container_strategy, mesh, plan,
-               communication_options=None, sequence_parallel=False):
+               communication_options=None, sequence_parallel=False,
+               float32_sums=False):
     super().__init__(container_strategy, mesh, communication_options)
     self._plan = plan
     self._sequence_parallel = sequence_parallel
+    self.float32_sums = float32_sums
 
   @property
   def plan(self):
@@ -131,6 +134,9 @@ def shard_layers(extended, layer_layouts, tensor_size, first_column=0,
     tensor_size: devices per tensor group.
     first_column: the index within a replica of the group's first device.
     sequence_parallel: split position-wise regions along the sequence.
+
+  Partial sums are added in float32 when `extended.float32_sums` is set
+  (the strategies' `communication_dtype="float32"`).
   """
   columns = slice(first_column, first_column + tensor_size)
 
@@ -143,5 +149,6 @@ def shard_layers(extended, layer_layouts, tensor_size, first_column=0,
   with distribute.container_strategy(extended).scope():
     for layout in layer_layouts:
       variables_lib.shard_layer(layout, tensor_size, shard_scope)
-      layers_lib.install(layout, group, sequence_parallel)
+      layers_lib.install(layout, group, sequence_parallel,
+                         getattr(extended, "float32_sums", False))
       object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)

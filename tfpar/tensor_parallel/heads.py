@@ -80,8 +80,13 @@ def _head_slice(dense, x, head, equation):
   return y
 
 
-def replay(layout, group, sequence_parallel):
-  """The tensor-parallel `call` of a registered attention layer."""
+def replay(layout, group, sequence_parallel, float32_sums):
+  """The tensor-parallel `call` of a registered attention layer.
+
+  With `float32_sums` its output projection's partial products are summed
+  in float32; its inputs still cross in the compute dtype (the layer's own
+  code may compute on them before projecting), so the input gradients of
+  its projections are summed in the compute dtype."""
   layer = layout.layer
   family = families.family_of(layer)
   parts = family.projections(layer)
@@ -95,7 +100,8 @@ def replay(layout, group, sequence_parallel):
       if index is None:  # Run again in the backward pass (ZeRO-3).
         index = _index_of_current_device(group())
       if role == "output":
-        return layers_lib.project(dense, inputs, index, dense.equation)
+        return layers_lib.project(dense, inputs, index, dense.equation,
+                                  partial=True, float32=float32_sums)
       if role != "query" and state["shared"]:
         head = index // (state["tensor_size"] // state["shared"])
         y = _head_slice(dense, inputs, head, dense.equation)
@@ -160,7 +166,7 @@ def replay(layout, group, sequence_parallel):
   return call
 
 
-def multi_head_attention(layout, group, sequence_parallel):
+def multi_head_attention(layout, group, sequence_parallel, float32_sums):
   """The tensor-parallel `call` of a `keras.layers.MultiHeadAttention`."""
   # Mirrors keras.layers.MultiHeadAttention.call, with the projections and
   # the attention of each head shard on its own device.
@@ -194,7 +200,8 @@ def multi_head_attention(layout, group, sequence_parallel):
     copies = {}
     for tensor in (query, key, value):
       if id(tensor) not in copies:
-        copies[id(tensor)] = layers_lib.spread(tensor, devices, name)
+        copies[id(tensor)] = layers_lib.spread(tensor, devices, name,
+                                               float32_sums)
     inputs = [copies[id(query)], copies[id(key)], copies[id(value)]]
     if attention_mask is not None:
       inputs.append(comm.broadcast(attention_mask, devices, name))
@@ -203,17 +210,22 @@ def multi_head_attention(layout, group, sequence_parallel):
     for index, device in enumerate(devices):
       def shard_fn(q, k, v, mask=None, index=index):
         projected = {
-            role: layers_lib.project(parts[role], x, index, parts[role].equation)
+            role: layers_lib.project(parts[role], x, index,
+                                     parts[role].equation,
+                                     float32=float32_sums)
             for role, x in (("query", q), ("key", k), ("value", v))}
         output, attention_scores = keras_attention.compute_attention(
             layer, projected["query"], projected["key"], projected["value"],
             mask,
             training, return_attention_scores, **extra)
         if "gate" in parts:
-          gate = layers_lib.project(parts["gate"], q, index, parts["gate"].equation)
+          gate = layers_lib.project(parts["gate"], q, index,
+                                    parts["gate"].equation,
+                                    float32=float32_sums)
           output = ops.multiply(output, parts["gate"].activation(gate))
         output = layers_lib.project(parts["output"], output, index,
-                          parts["output"].equation)
+                                    parts["output"].equation, partial=True,
+                                    float32=float32_sums)
         if return_attention_scores:
           return output, attention_scores
         return output

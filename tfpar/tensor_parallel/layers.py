@@ -6,6 +6,14 @@ communicates through `comm`. A column-parallel output is returned gathered
 onto the head, tagged with its shards; a row-parallel layer that receives
 such a tensor uses the shards directly, so TensorFlow prunes the unused
 gather from the traced step (Megatron's f/g pairs).
+
+Under a mixed policy, shards communicate in the compute dtype (Megatron's
+choice), so each device rounds its partial sums before they are added,
+where one device's matmul rounds its float32 accumulation once. With
+`float32_sums` (the strategies' `communication_dtype="float32"`) the
+partial products of row-parallel layers and the input gradients of
+column-parallel ones cross devices in float32 and are rounded once after
+the sum, as on one device, for twice the bytes.
 """
 
 import dataclasses
@@ -61,13 +69,41 @@ def sequence_chunks(tensor, devices):
   return _parts(tensor, _SEQUENCE_ATTRIBUTE, SEQUENCE_AXIS, devices)
 
 
-def spread(x, devices, name):
+COMMUNICATION_DTYPES = (None, "float32")
+
+
+def float32_sums(communication_dtype):
+  """Whether a strategy's `communication_dtype` adds partial sums in
+  float32; raises a ValueError for anything but None and "float32"."""
+  if communication_dtype not in COMMUNICATION_DTYPES:
+    raise ValueError(
+        f"communication_dtype must be None (the compute dtype of the Keras "
+        f"policy, as Megatron-LM communicates) or 'float32' (partial sums "
+        f"added in float32, as one device's matmul accumulates; twice the "
+        f"bytes under a mixed policy). Received: "
+        f"communication_dtype={communication_dtype!r}")
+  return communication_dtype == "float32"
+
+
+def _widened(x):
+  """`x` in float32 where it is (half-precision activations only)."""
+  if x.dtype not in (tf.bfloat16, tf.float16):
+    return x
+  with tf.device(x.device or None):
+    return tf.cast(x, tf.float32)
+
+
+def spread(x, devices, name, float32=False):
   """`x` whole on every device: all-gathered from its sequence slices if it
-  has them, else broadcast from the head."""
+  has them, else broadcast from the head; with `float32`, a half-precision
+  `x` crosses in float32, so that the gradients coming back are summed in
+  float32 (the projections that take it must then compute in float32)."""
   chunks = sequence_chunks(x, devices)
   if chunks is not None:
+    if float32:
+      chunks = [_widened(c) for c in chunks]
     return comm.all_gather(chunks, SEQUENCE_AXIS, devices, name)
-  return comm.broadcast(x, devices, name)
+  return comm.broadcast(_widened(x) if float32 else x, devices, name)
 
 
 def _splits_sequence(tensor, devices, name):
@@ -105,12 +141,26 @@ def _shard(weight, index):
   return weight
 
 
-def project(layer, x, index, equation=None):
+def project(layer, x, index, equation=None, partial=False, float32=False):
   """Shard `index` of a Dense (equation None) or EinsumDense projection,
-  before any bias that is not split."""
+  before any bias that is not split.
+
+  With `float32` under a half-precision compute dtype, the product of the
+  compute-dtype operands is taken in float32 and, for a `partial` product
+  (row-parallel: to be summed over devices), returned in float32;
+  otherwise rounded to the compute dtype once, as one device's matmul is.
+  """
   kernel = _shard(keras_layers.dense_kernel(layer), index)
+  widen = float32 and layer.compute_dtype in ("bfloat16", "float16")
+  if widen:
+    kernel = ops.cast(ops.cast(kernel, layer.compute_dtype), "float32")
+    x = ops.cast(x, "float32")
   y = ops.matmul(x, kernel) if equation is None else ops.einsum(
       equation, x, kernel)
+  if widen and partial:
+    return y
+  if widen:
+    y = ops.cast(y, layer.compute_dtype)
   if isinstance(layer.bias, variables_lib.ShardedWeight):
     y = ops.add(y, layer.bias.shards[index])
   return y
@@ -119,6 +169,7 @@ def project(layer, x, index, equation=None):
 def finisher(layer):
   """Adds the layer's unsplit bias, then applies its activation."""
   def finish(y):
+    y = ops.cast(y, layer.compute_dtype)  # Float32 partial sums, once.
     if layer.bias is not None and not isinstance(
         layer.bias, variables_lib.ShardedWeight):
       y = ops.add(y, layer.bias)
@@ -128,7 +179,7 @@ def finisher(layer):
   return finish
 
 
-def _column(layout, group, sequence_parallel):
+def _column(layout, group, sequence_parallel, float32_sums):
   del sequence_parallel  # Its input arrives whole or is all-gathered.
   layer = layout.layer
   equation = getattr(layer, "equation", None)
@@ -140,11 +191,11 @@ def _column(layout, group, sequence_parallel):
   def call(inputs, training=None):
     del training
     devices = group()
-    xs = spread(inputs, devices, layer.name)
+    xs = spread(inputs, devices, layer.name, float32_sums)
     outs = []
     for index, device in enumerate(devices):
       def shard_fn(x, index=index):
-        y = project(layer, x, index, equation)
+        y = project(layer, x, index, equation, float32=float32_sums)
         if elementwise and layer.activation is not None:
           y = layer.activation(y)
         return y
@@ -176,7 +227,7 @@ def _region_parts(inputs, axis, devices):
           for index, device in enumerate(devices)]
 
 
-def _row(layout, group, sequence_parallel):
+def _row(layout, group, sequence_parallel, float32_sums):
   layer = layout.layer
   equation = getattr(layer, "equation", None)
   axis = layouts.activation_split_axis(layer, styles.ROW)
@@ -195,14 +246,16 @@ def _row(layout, group, sequence_parallel):
       xs = comm.scatter(inputs, axis, devices, layer.name)
     partial = [
         compute.on_device(device, lambda x, i=index: project(
-            layer, x, i, equation), xs[index])
+            layer, x, i, equation, partial=True, float32=float32_sums),
+                          xs[index])
         for index, device in enumerate(devices)]
     return combine(partial, devices, layer.name, finisher(layer),
                     sequence_parallel)
   return call
 
 
-def _vocab(layout, group, sequence_parallel):
+def _vocab(layout, group, sequence_parallel, float32_sums):
+  del float32_sums  # Its partial rows are exact: one of them is not zero.
   layer = layout.layer
   rows = layer.input_dim // len(keras_layers.embeddings(layer).shards)
 
@@ -271,7 +324,8 @@ _BUILDERS = {
 }
 
 
-def install(layer_layout, group, sequence_parallel=False):
+def install(layer_layout, group, sequence_parallel=False,
+            float32_sums=False):
   """Makes a sharded layer compute tensor-parallel.
 
   Args:
@@ -279,6 +333,8 @@ def install(layer_layout, group, sequence_parallel=False):
     group: a function returning the current replica's devices.
     sequence_parallel: leave [batch, sequence, ...] outputs of row-parallel
       layers split along the sequence (reduce-scatter instead of reduce).
+    float32_sums: under a half-precision policy, add partial sums in
+      float32 (see the module's docstring).
   """
   if layer_layout.kind in (layouts.ATTENTION, layouts.HEADS):
     from tfpar.tensor_parallel import heads  # pylint: disable=g-import-not-at-top
@@ -287,4 +343,5 @@ def install(layer_layout, group, sequence_parallel=False):
   else:
     builder = _BUILDERS[(layer_layout.kind, type(layer_layout.style))]
   object.__setattr__(layer_layout.layer, "call",
-                     builder(layer_layout, group, sequence_parallel))
+                     builder(layer_layout, group, sequence_parallel,
+                             float32_sums))

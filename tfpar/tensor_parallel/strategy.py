@@ -3,6 +3,7 @@
 
 from tfpar.engine import strategy as engine_strategy
 from tfpar.tensor_parallel import extended as extended_lib
+from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import plan as plan_lib
 
 
@@ -27,9 +28,15 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       device).
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
+    communication_dtype: the dtype activations and their gradients cross
+      the tensor group in under a mixed Keras policy: None (the compute
+      dtype, as Megatron-LM; each device rounds its partial sums before
+      they are added) or `"float32"` (partial sums added in float32 and
+      rounded once, as one device's matmul; twice the bytes).
 
   Raises:
-    ValueError: the mesh has a pipeline axis, or a bad plan.
+    ValueError: the mesh has a pipeline axis, a bad plan or
+      communication_dtype.
 
   Example:
 
@@ -48,10 +55,11 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
   """
 
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,
-               communication_options=None):
+               communication_options=None, communication_dtype=None):
     if not isinstance(sequence_parallel, bool):
       raise ValueError(f"sequence_parallel must be True or False. Received: "
                        f"sequence_parallel={sequence_parallel!r}")
+    self._float32_sums = layers_lib.float32_sums(communication_dtype)
     self._plan = plan_lib.as_plan(plan)
     self._sequence_parallel = sequence_parallel
     super().__init__(mesh, communication_options)
@@ -59,7 +67,8 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
   def _make_extended(self, mesh, communication_options):
     return extended_lib.TensorParallelExtended(
         self, mesh, self._plan, communication_options,
-        sequence_parallel=self._sequence_parallel)
+        sequence_parallel=self._sequence_parallel,
+        float32_sums=self._float32_sums)
 
   def _check_mesh(self, mesh):
     if mesh.shape["pipeline"] != 1:
