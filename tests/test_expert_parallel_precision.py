@@ -3,6 +3,7 @@ policies, on the `tfpar.MoE` test model (tests/test_moe_layer.py)."""
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import stock_strategies
@@ -52,15 +53,17 @@ def test_accumulation_trains_like_one_device_accumulating():
   assert plain[1] > 1e-3, plain
 
 
-def test_mixed_bfloat16_within_the_mirrored_spread():
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_policies_within_the_mirrored_spread(policy):
+  # The spread is stock Mirrored over the same 4 devices as the layout
+  # (data 4, expert 2): each replica's share of the batch, as here.
   sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)
-  reference = _train(None, sgd, "mixed_bfloat16")
+  reference = _train(None, sgd, policy)
   mirrored = _differences(
-      _train(stock_strategies.mirrored(tfpar.Mesh().devices[:2]), sgd,
-             "mixed_bfloat16"), reference)
+      _train(stock_strategies.mirrored(tfpar.Mesh().devices[:4]), sgd,
+             policy), reference)
   expert = _differences(
-      _train(test_moe_layer.expert_parallel(2), sgd, "mixed_bfloat16"),
-      reference)
-  print(f"mixed_bfloat16: Mirrored spread {mirrored}, expert 2 {expert}")
+      _train(test_moe_layer.expert_parallel(2), sgd, policy), reference)
+  print(f"{policy}: Mirrored spread {mirrored}, expert 2 {expert}")
   assert expert[0] <= max(2 * mirrored[0], 1e-6), (expert, mirrored)
   assert expert[1] <= 2 * mirrored[1], (expert, mirrored)

@@ -157,8 +157,6 @@ _EXPERT = '[strategy]\nkind = "expert_parallel"\n'
      r"\[zero\] is only for kind \['data_parallel', 'tensor_parallel', "
      r"'pipeline_parallel'\], and this recipe's strategy\.kind is "
      r"'expert_parallel'"),
-    (_EXPERT + 'expert = 2\n[training]\nprecision = "mixed_bfloat16"\n',
-     r"\[training\] is only for kind"),
     ('[strategy]\nkind = "data_parallel"\nexpert = 2\n',
      r"strategy\.expert is only for kind \['expert_parallel'\], and this "
      r"recipe's strategy\.kind is 'data_parallel'"),
@@ -223,15 +221,30 @@ def test_moe_models_get_expert_parallelism_and_dense_ones_do_not(
   assert fits.recommended.name == "DP4"
 
 
-def test_untested_settings_leave_expert_layouts_out(moe_model):
+def test_expert_layouts_with_policies_and_accumulation(moe_model, tmp_path):
+  # mixed_bfloat16 and accumulation are offered (measured equal:
+  # test_expert_parallel_precision), mixed_float16 is left out with a note.
   for kwargs in (dict(precision="mixed_bfloat16"),
                  dict(gradient_accumulation_steps=2)):
     result = planner.plan(moe_model, DEVICES, "1GB", batch_size=PLAN_BATCH,
                           node_size=1, **kwargs)
-    assert not any(c.layout.expert > 1 for c in result.candidates)
-    assert any(n.startswith("Expert-parallel layouts left out") and
-               "do not offer tfpar.ExpertParallelStrategy" in n
-               for n in result.notes)
+    assert any(c.layout.expert > 1 for c in result.candidates), kwargs
+  result = planner.plan(moe_model, DEVICES, "1GB", batch_size=PLAN_BATCH,
+                        node_size=1, precision="mixed_float16")
+  assert not any(c.layout.expert > 1 for c in result.candidates)
+  assert any(n.startswith("Expert-parallel layouts left out (precision="
+                          "'mixed_float16')") for n in result.notes)
+  # An expert recipe takes the [training] table.
+  path = tmp_path / "expert_bf16.toml"
+  path.write_text(_EXPERT + 'expert = 2\n[training]\nprecision = '
+                  '"mixed_bfloat16"\ngradient_accumulation_steps = 2\n')
+  try:
+    setup = recipes.from_recipe(str(path))
+    assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  assert isinstance(setup.strategy, tfpar.ExpertParallelStrategy)
+  assert [c.steps for c in setup.callbacks] == [2]
   with pytest.raises(ValueError, match=r"expert=2 needs a model with "
                      r"mixture-of-experts layers"):
     planner.estimate_layout(7.5e9, Layout(data=4, expert=2))

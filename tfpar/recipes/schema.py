@@ -190,7 +190,7 @@ _SECTIONS = {
     },
 }
 # Optional section: the kinds it is for.
-_OPTIONAL = {"zero": _DENSE, "plan": plan_table.KINDS, "training": _DENSE}
+_OPTIONAL = {"zero": _DENSE, "plan": plan_table.KINDS, "training": KINDS}
 _TOP = ("summary",) + tuple(_SECTIONS)
 
 
