@@ -221,6 +221,23 @@ def test_all_to_all_bytes_match_the_formula(mixtral_sgd):
     assert sent[("all-to-all", phase)] == 2 * layers * per_exchange
 
 
+def test_at_capacity_factor_1_each_routed_copy_crosses_once_each_way():
+  # The textbook count (DeepSpeed-MoE, Switch): every token's k copies
+  # cross to their experts' members and back, (e - 1) / e of them leave
+  # the device: T x k x h x (e - 1) / e elements per all-to-all. With
+  # capacity_factor=1.0 the buffer has exactly T x k rows (C = T k / E).
+  log = tfpar.CommunicationLog()
+  strategy = expert_parallel(4, capacity_factor=1.0)
+  train("mixtral", "sgd", strategy, log)
+  layers, expert = 2, 4
+  tokens = BATCH // 4 * SEQUENCE  # One replica's tokens per step.
+  formula = tokens * TOP_K * HIDDEN * 4 * (expert - 1) // expert
+  counts, sent = log.counts(), log.bytes()
+  for phase in ("forward", "backward"):
+    assert counts[("all-to-all", phase)] == 2 * layers
+    assert sent[("all-to-all", phase)] == 2 * layers * formula
+
+
 def test_qwen_moe_expert2_trains_as_one_device():
   reference, reference_losses = train("qwen_moe", "sgd")
   model, losses = train("qwen_moe", "sgd", expert_parallel(2))
