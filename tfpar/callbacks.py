@@ -18,6 +18,7 @@ import tensorflow as tf
 from tfpar import keras_hooks
 from tfpar import preemption
 from tfpar._compat import keras_callbacks
+from tfpar.expert_parallel import whole_experts
 from tfpar.zero import checkpoint as zero_checkpoint
 
 
@@ -168,8 +169,9 @@ def save_weights(model, filepath, **kwargs):
   """`model.save_weights(filepath)` for a job of one or several workers.
 
   Every worker calls it, at the same point of the program: under
-  `tfpar.ZeRO` the workers gather the whole tensors together, then the chief
-  writes them. On one process it is `model.save_weights`.
+  `tfpar.ZeRO`, and under `tfpar.ExpertParallelStrategy` with expert groups
+  that span workers, the workers gather the whole tensors together, then
+  the chief writes them. On one process it is `model.save_weights`.
 
   Args:
     model: a Keras model.
@@ -182,6 +184,6 @@ def save_weights(model, filepath, **kwargs):
   >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
   >>> tfpar.save_weights(model, "/tmp/tfpar_doc.weights.h5")
   """
-  with zero_checkpoint.whole_values(model):
+  with zero_checkpoint.whole_values(model), whole_experts.prefetched(model):
     if is_chief(model):
       model.save_weights(filepath, **kwargs)

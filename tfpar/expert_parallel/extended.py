@@ -15,6 +15,7 @@ from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import layers
 from tfpar.expert_parallel import optimizer as optimizer_lib
 from tfpar.expert_parallel import variables as variables_lib
+from tfpar.expert_parallel import whole_experts
 from tfpar.memory import components
 
 
@@ -61,6 +62,17 @@ class MoEContext:
   def expert_weights(self):
     """Every `ExpertWeight` split so far."""
     return list(self._expert_variables.values())
+
+  def saved_expert_weights(self, model):
+    """`model`'s expert weights and its optimizer's expert slots, as whole
+    `ExpertWeight` views, in the order saving reads them."""
+    weights = [w for w in self.expert_weights()
+               if any(w.variable is v for v in model.weights)]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+      weights += [e for e in optimizer_lib.whole_entries(optimizer, self)
+                  if isinstance(e, variables_lib.ExpertWeight)]
+    return weights
 
   def is_expert_variable(self, variable):
     return id(variable) in self._expert_variables
@@ -167,6 +179,7 @@ class ExpertParallelExtended(engine_extended.MeshExtended):
         for name in family.expert_weight_names:
           variable = getattr(bank, name)
           weight = variables_lib.split_expert_weight(variable, ranks, expert)
+          weight.gather = whole_experts.reader(self._context, weight)
           variables_lib.replace(bank, variable, weight)
           self._context.register(weight)
         with tf.init_scope():

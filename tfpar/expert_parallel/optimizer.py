@@ -13,6 +13,7 @@ from tfpar._compat import keras_optimizers
 from tfpar.engine import whole_state
 from tfpar.expert_parallel import comm
 from tfpar.expert_parallel import variables as variables_lib
+from tfpar.expert_parallel import whole_experts
 
 
 def adopt(optimizer, context):
@@ -62,8 +63,10 @@ def whole_entries(optimizer, context):
     if owner is None or tuple(item.shape) != tuple(owner.variable.shape):
       entries.append(item)
     else:
-      entries.append(variables_lib.ExpertWeight(
-          item.path, item, owner.ranks, owner.expert))
+      entry = variables_lib.ExpertWeight(item.path, item, owner.ranks,
+                                         owner.expert)
+      entry.gather = whole_experts.reader(context, entry)
+      entries.append(entry)
   return entries
 
 

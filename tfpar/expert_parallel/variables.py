@@ -45,6 +45,9 @@ class ExpertWeight:
     self.variable = variable
     self._ranks = tuple(ranks)
     self._expert = expert
+    # Reads the whole weight when some ranks live on other workers (a
+    # collective; set by the strategy, `whole_experts.reader`).
+    self.gather = None
 
   @property
   def shape(self):
@@ -64,10 +67,18 @@ class ExpertWeight:
       found.setdefault(rank, component)
     return found
 
+  def spans_workers(self):
+    """Whether some expert ranks live on other workers only."""
+    return len(self.components_by_rank()) < self._expert
+
   def numpy(self):
-    """The whole weight (every expert rank must be on this worker)."""
+    """The whole weight; when some ranks live on other workers, gathered
+    from every worker (each must read the same weights in the same
+    order)."""
     by_rank = self.components_by_rank()
     missing = sorted(set(range(self._expert)) - set(by_rank))
+    if missing and self.gather is not None:
+      return self.gather()
     if missing:
       raise ValueError(
           f"Expert weight {self.path!r}: the experts of rank(s) {missing} "
