@@ -222,18 +222,14 @@ def test_moe_models_get_expert_parallelism_and_dense_ones_do_not(
 
 
 def test_expert_layouts_with_policies_and_accumulation(moe_model, tmp_path):
-  # mixed_bfloat16 and accumulation are offered (measured equal:
-  # test_expert_parallel_precision), mixed_float16 is left out with a note.
-  for kwargs in (dict(precision="mixed_bfloat16"),
+  # Offered under every policy and with accumulation (measured equal:
+  # test_expert_parallel_precision).
+  for kwargs in (dict(precision="mixed_float16"),
+                 dict(precision="mixed_bfloat16"),
                  dict(gradient_accumulation_steps=2)):
     result = planner.plan(moe_model, DEVICES, "1GB", batch_size=PLAN_BATCH,
                           node_size=1, **kwargs)
     assert any(c.layout.expert > 1 for c in result.candidates), kwargs
-  result = planner.plan(moe_model, DEVICES, "1GB", batch_size=PLAN_BATCH,
-                        node_size=1, precision="mixed_float16")
-  assert not any(c.layout.expert > 1 for c in result.candidates)
-  assert any(n.startswith("Expert-parallel layouts left out (precision="
-                          "'mixed_float16')") for n in result.notes)
   # An expert recipe takes the [training] table.
   path = tmp_path / "expert_bf16.toml"
   path.write_text(_EXPERT + 'expert = 2\n[training]\nprecision = '

@@ -26,7 +26,10 @@ def adopt(optimizer, context):
   """
   if getattr(optimizer, "_tfpar_experts_adopted", False):
     return
-  original = keras_optimizers.all_reduce_sum_gradients(optimizer)
+  # Under mixed_float16 Keras compiles a LossScaleOptimizer, whose inner
+  # optimizer sums the (unscaled) gradients over replicas.
+  summing = getattr(optimizer, "inner_optimizer", optimizer)
+  original = keras_optimizers.all_reduce_sum_gradients(summing)
 
   def all_reduce_sum_gradients(grads_and_vars):
     pairs = list(grads_and_vars)
@@ -45,7 +48,7 @@ def adopt(optimizer, context):
             for i, (_, v) in enumerate(pairs)]
 
   keras_optimizers.replace_all_reduce_sum_gradients(
-      optimizer, all_reduce_sum_gradients)
+      summing, all_reduce_sum_gradients)
   _install_whole_slot_saving(optimizer, context)
   _checkpoint_whole_slots_once_built(optimizer, context)
   object.__setattr__(optimizer, "_tfpar_experts_adopted", True)

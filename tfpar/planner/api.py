@@ -87,8 +87,7 @@ def plan(model, devices, memory_per_device, batch_size=None,
                else getattr(model, "optimizer", None))
   slots = optimizer_slots(optimizer)
   steps = accumulation_steps(gradient_accumulation_steps, optimizer)
-  expert_sizes, notes = experts.planned_sizes(devices, profile.moe,
-                                              precision, steps)
+  expert_sizes, notes = experts.expert_sizes(devices, profile.moe), []
   found, skipped = [], {}
   for layout in candidates_lib.layouts(devices, node_size,
                                        profile.max_pipeline,

@@ -148,41 +148,6 @@ def build_bytes(loads, facts, expert, precision):
   return whole + per_element * facts.largest
 
 
-# Not offered under mixed_float16: with Adam, split experts train 3x stock
-# Mirrored's spread from one device there (docs/expert_parallel.md);
-# mixed_bfloat16 and gradient accumulation are measured equal.
-_PRECISIONS_NOT_OFFERED = ("mixed_float16",)
-
-
-def planned_sizes(devices, facts, precision, accumulation_steps):
-  """(the expert sizes to plan, notes on any left out).
-
-  Args:
-    devices: N (all on the data axis in an expert layout).
-    facts: the model's `MoeFacts`, or None.
-    precision: the plan's precision.
-    accumulation_steps: k >= 2, or None.
-
-  Example:
-
-  >>> facts = MoeFacts((4,), 1000, 0, 500)
-  >>> planned_sizes(4, facts, "mixed_bfloat16", 2)
-  ([2, 4], [])
-  >>> sizes, notes = planned_sizes(4, facts, "mixed_float16", None)
-  >>> sizes, notes[0][:32]
-  ([], 'Expert-parallel layouts left out')
-  """
-  del accumulation_steps  # Measured equal to one device accumulating.
-  sizes = expert_sizes(devices, facts)
-  if not sizes or precision not in _PRECISIONS_NOT_OFFERED:
-    return sizes, []
-  return [], [
-      f"Expert-parallel layouts left out (precision={precision!r}): with "
-      f"Adam, experts split under mixed_float16 train 3x stock Mirrored's "
-      f"spread from one device, so the planner and recipes do not offer "
-      f"tfpar.ExpertParallelStrategy with it (docs/expert_parallel.md)."]
-
-
 def notes(facts):
   """What the expert-parallel estimates assume, for a model with experts.
 
