@@ -174,3 +174,37 @@ def test_communication_dtype_is_checked_and_reaches_the_layers(make):
     make("bfloat16")
   assert make("float32").extended.float32_sums
   assert not make(None).extended.float32_sums
+
+
+def _mlp_run(policy, clip, strategy=None):
+  """(step losses, weights) of tp_common's MLP, Adam with or without
+  per-weight norm clipping."""
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    kwargs = {"clipnorm": 0.05} if clip else {}
+    with strategy.scope() if strategy else tf.init_scope():
+      model = tp_common.compile_model(tp_common.mlp(), **kwargs)
+    x, y = tp_common.data("mlp")
+    return tp_common.step_losses(model, x, y), model.get_weights()
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_norm_clipping_under_loss_scaling_clips_whole_weights():
+  # Under mixed_float16 the LossScaleOptimizer's inner optimizer clips;
+  # tfpar's clipping by whole logical weights must be installed there (it
+  # was not: weights 0.031 from one device, against 0.0028 without
+  # clipping). Clipping must add nothing beyond the layout's own rounding.
+  def tensor4():
+    return tfpar.TensorParallelStrategy(tfpar.Mesh({"tensor": 4}),
+                                        communication_dtype="float32")
+  differences = {}
+  for clip in (False, True):
+    reference = _mlp_run("mixed_float16", clip)
+    result = _mlp_run("mixed_float16", clip, tensor4())
+    differences[clip] = precision_common.differences(
+        result[0], result[1], reference[0], reference[1])
+  print(f"tensor 4, mixed_float16: without clipping {differences[False]}, "
+        f"with {differences[True]}")
+  assert differences[True][1] <= 2 * differences[False][1] + 1e-5
+  assert differences[True][0] <= 2 * differences[False][0] + 1e-5

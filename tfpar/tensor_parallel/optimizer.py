@@ -108,6 +108,9 @@ def _shard_groups(model):
 
 
 def _install_logical_clipping(optimizer, model):
+  # Under mixed_float16 the LossScaleOptimizer's inner optimizer holds the
+  # clipping settings and sums (and clips) the unscaled gradients.
+  optimizer = getattr(optimizer, "inner_optimizer", optimizer)
   original_all_reduce = keras_optimizers.all_reduce_sum_gradients(optimizer)
   if not (optimizer.clipnorm or optimizer.global_clipnorm or
           optimizer.clipvalue):
