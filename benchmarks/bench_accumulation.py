@@ -9,7 +9,9 @@ in alternating runs in one process. Reports per configuration:
 * the all-reduces the optimizer's update ran and their bytes, per
   optimizer step and per micro-step, counted at run time by the tests'
   independent counter (`tests/collective_count.py`): with accumulation
-  the micro-steps between updates communicate nothing.
+  the micro-steps between updates communicate nothing;
+* the physical bound of a micro-step (`bounds.py`) and the ratio median
+  micro-step time / bound.
 
 Run from the repository root:
 
@@ -27,6 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "tests"))
 
+import bounds  # pylint: disable=g-import-not-at-top
 import common  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 
@@ -48,9 +51,27 @@ def parse_args(argv=None):
   return args
 
 
+def physical_bound(args, devices, x, y, result, times):
+  """Prints and returns the physical bound of a micro-step (see bounds.py):
+  the MLP's matmul FLOPs at the global batch, and the bytes the counted
+  all-reduces send per micro-step (a ring sends 2 (g-1)/g of the counted
+  input bytes)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  batch = args.global_batch
+  flops, _, _ = bounds.model_flops(
+      lambda s: common.build_mlp(s, args), tf.constant(x[:batch]),
+      tf.constant(y[:batch]))
+  sent = 2 * (NUM_DEVICES - 1) / NUM_DEVICES
+  machine = bounds.Machine((batch // NUM_DEVICES, args.hidden, args.hidden),
+                           devices)
+  return bounds.table(machine, {
+      f"k={k} (micro-step)": (flops, result[k]["bytes_per_micro_step"] * sent,
+                              times[k]) for k in times})
+
+
 def main(argv=None):
   args = parse_args(argv)
-  tfpar.configure_virtual_cpus(NUM_DEVICES)
+  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
   import collective_count  # pylint: disable=g-import-not-at-top
   x, y = common.synthetic_classification(args, args.global_batch * args.steps)
   strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": NUM_DEVICES}))
@@ -92,6 +113,8 @@ def main(argv=None):
   print(f"\nmicro-step time k={ACCUMULATION} / k=1: {of_medians:.3f} "
         f"(ratio of medians), {per_run:.3f} (median per-run ratio)")
   result["ratio"] = {"of_medians": of_medians, "per_run": per_run}
+  result["physical_bound"] = physical_bound(args, devices, x, y, result,
+                                            times)
   common.write_json(args.output, result)
 
 

@@ -14,7 +14,10 @@ Prints a markdown table with the median step time of each strategy and the
 ratio tfpar / Mirrored measured in the same process: the ratio of the
 medians, and the median over runs of the ratio within each run (the two
 strategies measured back to back), which cancels most of the drift that
-other load on the machine causes.
+other load on the machine causes. Then prints each strategy's physical
+bound (`bounds.py`: the MLP's matmul FLOPs at the machine's measured
+matmul rate plus the ring all-reduce's bytes at its copy bandwidth) and
+the ratio median step time / bound.
 
 Run from the repository root:
 
@@ -29,6 +32,7 @@ import statistics
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import bounds  # pylint: disable=g-import-not-at-top
 import common  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 
@@ -50,6 +54,23 @@ def timed_fit(model, x, y, args):
   model.fit(x, y, batch_size=args.global_batch, epochs=1, shuffle=False,
             steps_per_epoch=args.steps, callbacks=[timer.callback], verbose=0)
   return timer.step_time(args.steps)
+
+
+def physical_bound(args, devices, x, y, num_params, times):
+  """Prints and returns the physical bound of both strategies' step (see
+  bounds.py): the MLP's matmul FLOPs at the global batch, and the ring
+  all-reduce of the float32 gradients over the 4 devices."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  batch = args.global_batch
+  flops, _, _ = bounds.model_flops(
+      lambda s: common.build_mlp(s, args), tf.constant(x[:batch]),
+      tf.constant(y[:batch]))
+  nbytes = NUM_DEVICES * bounds.ring_all_reduce_bytes(4 * num_params,
+                                                      NUM_DEVICES)
+  machine = bounds.Machine((batch // NUM_DEVICES, args.hidden, args.hidden),
+                           devices)
+  return bounds.table(machine, {name: (flops, nbytes, t)
+                                for name, t in times.items()})
 
 
 def main(argv=None):
@@ -87,6 +108,7 @@ def main(argv=None):
           f"{max(t) * 1e3:.2f} | {len(t)} |")
   print(f"\nratio tfpar / Mirrored, of the median step times: {ratio:.3f}; "
         f"median of the per-run ratios: {paired:.3f}")
+  bound = physical_bound(args, devices, x, y, num_params, times)
 
   if args.output:
     result = {
@@ -97,6 +119,7 @@ def main(argv=None):
         "step_times_s": times, "median_step_time_s": medians,
         "ratio_tfpar_over_mirrored": ratio,
         "median_per_run_ratio_tfpar_over_mirrored": paired,
+        "physical_bound": bound,
     }
     common.write_json(args.output, result)
 

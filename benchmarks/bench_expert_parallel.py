@@ -22,6 +22,8 @@ e = 2 and 4, with the same global batch and the same initial weights.
 * Step time: each model is traced again without the counter and warmed
   up; then the three alternate run by run (the order flips every run).
   Ratios to data parallelism: of the medians, and median per-run ratio.
+* The physical bound of each layout's step (`bounds.py`; bytes from the
+  run-time counter, all devices) and the ratio median step time / bound.
 
 Run from the repository root:
 
@@ -40,6 +42,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import bounds  # pylint: disable=g-import-not-at-top
 import common  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -203,7 +206,7 @@ def cell(values):
 
 def main(argv=None):
   args = parse_args(argv)
-  tfpar.configure_virtual_cpus(NUM_DEVICES)
+  cpus = tfpar.configure_virtual_cpus(NUM_DEVICES)
   mesh = tfpar.Mesh({"data": NUM_DEVICES})
   strategies = {DP_NAME: (tfpar.DataParallelStrategy(mesh), 1), **{
       f"expert {e}": (tfpar.ExpertParallelStrategy(
@@ -266,7 +269,17 @@ def main(argv=None):
         f"{formula[name]['textbook']:,.0f}",
         f"{sum(v[0] for v in count.values()):,.0f}")
 
+  x, y = next(iter(dataset))
+  flops, _, _ = bounds.model_flops(lambda s: build_model(s, args), x, y)
+  machine = bounds.Machine((args.global_batch // NUM_DEVICES * args.sequence,
+                            args.hidden, args.intermediate), cpus)
+  # Bytes: every collective every device ran, as counted at run time.
+  bound = bounds.table(machine, {
+      name: (flops, sum(sum(v) for v in sent[name].values()), t)
+      for name, t in times.items()})
+
   common.write_json(args.output, {
+      "physical_bound": bound,
       "benchmark": "expert_parallel", "num_params": num_params,
       "args": vars(args), "step_times_s": times, "median_step_time_s": medians,
       "ratio_over_data": {n: r[0] for n, r in ratio.items()},

@@ -18,7 +18,9 @@ second `model.fit`; the chief measures samples/second from the start of batch
 line, which the driver parses. The driver prints a markdown table with the
 median throughput of each worker count and the ratio 2-worker / 1-worker,
 both of the medians and as the median of the per-round ratios (the 1- and
-2-worker runs of one round ran back to back).
+2-worker runs of one round ran back to back). Then it measures the
+machine model for single-threaded workers (`bounds.py`) and prints the
+physical bound of a worker's step and the ratio median step / bound.
 
 Run from the repository root:
 
@@ -29,6 +31,7 @@ Run from the repository root:
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -114,6 +117,54 @@ def launch_once(num_workers, args):
            + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
 
 
+def physical_bound(args, results):
+  """Prints and returns the physical bound of an n-worker step (see
+  bounds.py), measured here after the launches: each single-threaded
+  worker computes its own batch on its own core (min(cores, n) cores; the
+  single-thread matmul rate is measured, the cores are assumed to add up),
+  and sends 2 (n-1)/n of its float32 gradients over TCP loopback, at the
+  rate of one measured loopback stream (the n streams are assumed to run
+  in parallel)."""
+  import bounds  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.threading.set_intra_op_parallelism_threads(1)
+  tf.config.threading.set_inter_op_parallelism_threads(1)
+  batch = args.per_worker_batch
+  x, y = common.synthetic_classification(args, batch)
+  flops, _, _ = bounds.model_flops(lambda s: common.build_mlp(s, args),
+                                   tf.constant(x), tf.constant(y))
+  num_params = 4 * ((args.features + 1) * args.hidden
+                    + (args.hidden + 1) * args.hidden
+                    + (args.hidden + 1) * args.classes)
+  rate, _ = bounds.matmul_rate((batch, args.hidden, args.hidden), ["/CPU:0"])
+  loopback = bounds.loopback_bandwidth()
+  cores = os.cpu_count()
+  print(f"\nmachine model: one thread, float32 matmul {batch}x{args.hidden}x"
+        f"{args.hidden}: {rate / 1e9:.1f} GFLOP/s; {cores} cores; TCP "
+        f"loopback, one stream: {loopback / 1e9:.2f} GB/s\n")
+  print("| workers | FLOPs / worker step | bytes sent / worker step | compute "
+        "bound (ms) | copy bound (ms) | bound (ms) | bound samples/s | "
+        "median step (ms) | step / bound |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  out = {"flops_per_second_one_thread": rate, "loopback_bytes_per_second":
+         loopback, "cores": cores}
+  for n in WORKER_COUNTS:
+    steps = [r["seconds"] / r["timed_steps"] for r in results[n]]
+    # Each worker computes alone only if there is a core per worker.
+    compute = flops * math.ceil(n / min(cores, n)) / rate
+    nbytes = bounds.ring_all_reduce_bytes(num_params, n)
+    bound = compute + nbytes / loopback
+    median = statistics.median(steps)
+    out[n] = {"flops": flops, "bytes": nbytes, "compute_s": compute,
+              "copy_s": nbytes / loopback, "bound_s": bound,
+              "median_step_s": median, "ratio": median / bound}
+    print(f"| {n} | {flops / 1e6:,.1f} M | {nbytes:,} | {compute * 1e3:.3f} | "
+          f"{nbytes / loopback * 1e3:.3f} | {bound * 1e3:.3f} | "
+          f"{n * batch / bound:,.0f} | {median * 1e3:.2f} | "
+          f"{median / bound:.1f} |")
+  return out
+
+
 def driver_main(args):
   results = {n: [] for n in WORKER_COUNTS}
   for run in range(args.runs):
@@ -140,7 +191,10 @@ def driver_main(args):
   print(f"\nratio 2-worker / 1-worker, of the median samples/s: {ratio:.3f}; "
         f"median of the per-round ratios: {paired:.3f}")
 
+  bound = physical_bound(args, results)
+
   common.write_json(args.output, {
+      "physical_bound": bound,
       "benchmark": "multi_worker_scaling",
       "per_worker_batch": args.per_worker_batch,
       "timed_steps_per_run": args.steps - args.skip_steps,

@@ -17,6 +17,9 @@ Part 1b, the same with real compute only (Dense layers of `--width`, no
 timed layer) for p = 2 (data 2): the 4 stage devices share the 2 cores,
 and per-op overheads count as idle time, so expect more than the formula.
 
+Part 1c, the physical bound (`bounds.py`) of each step of part 1b beside
+its makespan (first op to last in the profiler's timeline), and the ratio.
+
 Part 2, activation memory. p = 4 (data 1), micro-batches of a fixed
 `--memory-rows` rows, m in {4, 8, 16}: the batch grows with m. After 2
 warm-up steps, TF's CPU allocator peak is reset and one step is run;
@@ -115,7 +118,9 @@ def strategy_for(p, m, schedule, data=None):
                                           schedule=schedule)
 
 
-def measure_bubble(keras, p, m, schedule, args, timed):
+def measure_bubble(keras, p, m, schedule, args, timed, spans=None):
+  """Bubble fraction of each profiled step; their makespans (seconds) are
+  appended to `spans` when given."""
   strategy = strategy_for(p, m, schedule)
   width = args.width if timed is None else 64
   with strategy.scope():
@@ -131,7 +136,15 @@ def measure_bubble(keras, p, m, schedule, args, timed):
                                 verbose=False) for r in range(args.runs)]
   model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=traces,
             shuffle=False)
+  if spans is not None:
+    spans.extend(makespans(traces))
   return [t.trace.bubble_fraction() for t in traces]
+
+
+def makespans(traces):
+  """Seconds from the first op to the last of each profiled step."""
+  return [(max(e.end_us for e in t.trace.events) -
+           min(e.start_us for e in t.trace.events)) / 1e6 for t in traces]
 
 
 def measure_memory(keras, tf, m, schedule, args):
@@ -152,9 +165,39 @@ def measure_memory(keras, tf, m, schedule, args):
   return peak - before
 
 
+def physical_bound(keras, tf, args, devices, spans):
+  """Prints and returns the physical bound of each real-compute step of
+  part 1b (see bounds.py) beside its makespan, from the first op to the
+  last in the profiler's timeline (median of the profiled steps). FLOPs:
+  the chain's matmuls on the step's whole batch (data 2 x m micro-batches
+  of `--rows`); bytes: each micro-batch's activation forward and its
+  gradient backward across the p - 1 = 1 stage boundary, per replica."""
+  import bounds  # pylint: disable=g-import-not-at-top
+  p, data = 2, NUM_DEVICES // 2
+  machine = bounds.Machine((args.rows, args.width, args.width), devices)
+  rows = {}
+  for (m, schedule), seconds in spans.items():
+    batch = args.rows * m * data
+    x = tf.zeros((batch, args.width))
+    flops, _, _ = bounds.model_flops(
+        lambda s: compiled_chain(keras, s, p, args.width), x, x[:, :1])
+    nbytes = 2 * (p - 1) * data * m * args.rows * args.width * 4
+    rows[f"p=2 m={m} {schedule}"] = (flops, nbytes, seconds)
+  print("\n### Physical bound of the real-compute steps (makespan as the "
+        "step time)")
+  return bounds.table(machine, rows)
+
+
+def compiled_chain(keras, strategy, p, width):
+  with strategy.scope():
+    model = chain(keras, p, width)
+    model.compile(optimizer="sgd", loss="mse")
+  return model
+
+
 def main(argv=None):
   args = parse_args(argv)
-  tfpar.configure_virtual_cpus(NUM_DEVICES)
+  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   # Enough executor threads for every stage's wait to overlap.
   tf.config.threading.set_inter_op_parallelism_threads(16)
@@ -185,14 +228,18 @@ def main(argv=None):
         f" profiled steps\n")
   print("| p | m | formula | GPipe measured | 1F1B measured |")
   print("|---:|---:|---:|---:|---:|")
+  spans = {}
   for m in (1, 2, 4, 8):
     row = {"p": 2, "m": m, "formula": tfpar.pipeline.bubble_fraction(2, m)}
     for schedule in SCHEDULES:
+      spans[(m, schedule)] = []
       row[schedule] = statistics.median(
-          measure_bubble(keras, 2, m, schedule, args, None))
+          measure_bubble(keras, 2, m, schedule, args, None,
+                         spans[(m, schedule)]))
     results["bubble_compute"].append(row)
     print(f"| 2 | {m} | {row['formula']:.3f} | {row['gpipe']:.3f} | "
           f"{row['1f1b']:.3f} |")
+  results["bound_compute"] = physical_bound(keras, tf, args, devices, spans)
 
   print(f"\n### Peak activation memory, p = 4, {args.memory_rows} rows per "
         f"micro-batch, 4 x Dense {args.memory_width} per stage (MiB)\n")

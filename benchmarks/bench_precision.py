@@ -14,6 +14,9 @@ bytes replica 0 sends in one step from the communication log (ZeRO-3: its
 all-gathers and reduce-scatters; tensor parallelism: its tensor-group
 traffic), with the bfloat16 / float32 ratio.
 
+Last, each configuration's physical bound (`bounds.py`, at the matmul
+rate of its compute dtype) and the ratio median step time / bound.
+
 CPUs compute bfloat16 in software: the step times here say what the
 policy costs on CPUs, not on accelerators; the bytes carry over.
 
@@ -31,6 +34,7 @@ import statistics
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import bench_tensor_vs_data_parallel as gpt_benchmark  # pylint: disable=g-import-not-at-top
+import bounds  # pylint: disable=g-import-not-at-top
 import common  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 
@@ -61,9 +65,34 @@ def sent_bytes(log):
   return sum(record.bytes for record in log.step_records(0))
 
 
+def physical_bound(args, devices, dataset, models, nbytes, times):
+  """Prints and returns the physical bound of each configuration's step
+  (see bounds.py): the GPT's matmul FLOPs at the global batch, at the
+  matmul rate of the policy's compute dtype; bytes: ZeRO-3, replica 0's
+  logged sends times the 4 replicas; tensor parallelism, replica 0's
+  logged sends times the 2 data replicas plus the float32 gradient
+  all-reduce over the data axis."""
+  x, y = next(iter(dataset))
+  flops, _, _ = bounds.model_flops(
+      lambda s: gpt_benchmark.build_model(s, args), x, y)
+  machine = bounds.Machine(
+      (args.global_batch // NUM_DEVICES * args.sequence, args.width,
+       4 * args.width), devices, dtypes=("float32", "bfloat16"))
+  rows = {}
+  for key, t in times.items():
+    layout, policy = key
+    if layout.startswith("ZeRO"):
+      moved = nbytes[key] * NUM_DEVICES
+    else:
+      moved = nbytes[key] * 2 + gpt_benchmark.gradient_bytes(models[key], 2)
+    rows[f"{layout}, {policy}"] = (flops, moved, t)
+  return bounds.table(machine, rows, dtype_of=lambda name: (
+      "bfloat16" if name.endswith("bfloat16") else "float32"))
+
+
 def main(argv=None):
   args = parse_args(argv)
-  tfpar.configure_virtual_cpus(NUM_DEVICES)
+  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
   import keras  # pylint: disable=g-import-not-at-top
   dataset = gpt_benchmark.token_dataset(args)
   models, callbacks, nbytes = {}, {}, {}
@@ -109,6 +138,8 @@ def main(argv=None):
         "time_ratio": {"of_medians": of_medians, "per_run": per_run},
         "bytes_float32": nbytes[full], "bytes_bfloat16": nbytes[low],
         "bytes_ratio": byte_ratio}
+  result["physical_bound"] = physical_bound(args, devices, dataset, models,
+                                            nbytes, times)
   common.write_json(args.output, result)
 
 

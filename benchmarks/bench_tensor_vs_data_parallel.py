@@ -30,7 +30,8 @@ batch, S the sequence, W the width):
     bytes per block per step = 8 (t - 1) B S W 4
 
 The data-axis gradient all-reduce, which both strategies do, is not part of
-these counts.
+these counts. It is part of each strategy's physical bound (`bounds.py`),
+printed last with the ratio median step time / bound.
 
 Run from the repository root:
 
@@ -47,6 +48,7 @@ import statistics
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import bounds  # pylint: disable=g-import-not-at-top
 import common  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 
@@ -147,9 +149,37 @@ def communication(log):
   return parts, by_kind
 
 
+def gradient_bytes(model, data):
+  """Bytes all devices send per step to all-reduce the float32 gradients
+  of the weights each device holds (`tfpar.memory_report`) over the
+  `data` replicas, as dense ring all-reduces: the minimum; tfpar
+  all-gathers the embeddings' looked-up rows instead, which is more."""
+  report = tfpar.memory_report(model)
+  return sum(bounds.ring_all_reduce_bytes(report.parameters.get(d, 0), data)
+             for d in report.devices)
+
+
+def physical_bound(args, devices, dataset, models, tensor_bytes, times):
+  """Prints and returns the physical bound of each strategy's step (see
+  bounds.py): the GPT's matmul FLOPs at the global batch; bytes: the
+  gradient all-reduce over the data axis, plus for tensor parallelism the
+  tensor-group traffic of replica 0 (CommunicationLog) times the data
+  replicas."""
+  x, y = next(iter(dataset))
+  flops, _, _ = bounds.model_flops(lambda s: build_model(s, args), x, y)
+  data = {TP_NAME: NUM_DEVICES // TENSOR, DP_NAME: NUM_DEVICES}
+  machine = bounds.Machine(
+      (args.global_batch // NUM_DEVICES * args.sequence, args.width,
+       4 * args.width), devices)
+  return bounds.table(machine, {
+      name: (flops, tensor_bytes[name] + gradient_bytes(models[name],
+                                                        data[name]), t)
+      for name, t in times.items()})
+
+
 def main(argv=None):
   args = parse_args(argv)
-  tfpar.configure_virtual_cpus(NUM_DEVICES)
+  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
 
   plan = tfpar.ShardingPlan([(r"^lm_head/", tfpar.ColumnParallel())])
   strategies = {
@@ -220,7 +250,11 @@ def main(argv=None):
   print(f"\nblocks: measured / formula = "
         f"{measured_blocks / formula_blocks:.3f}")
 
+  total_bytes = {TP_NAME: total * (NUM_DEVICES // TENSOR), DP_NAME: 0}
+  bound = physical_bound(args, devices, dataset, models, total_bytes, times)
+
   common.write_json(args.output, {
+      "physical_bound": bound,
       "benchmark": "tensor_vs_data_parallel", "devices": NUM_DEVICES,
       "tensor": TENSOR, "num_params": num_params,
       "global_batch": args.global_batch, "sequence": args.sequence,

@@ -27,6 +27,8 @@ optimizer bytes include Adam's iteration counter and learning rate
 (12 bytes), and ZeRO pads each weight to a multiple of 4 elements; the
 differences in bytes are printed below the table. As a check that the four
 configurations train alike, the loss of each warm-up fit is printed too.
+Last, each configuration's physical bound (`bounds.py`; bytes from the
+ZeRO paper's communication volumes) and the ratio median step / bound.
 
 Run from the repository root:
 
@@ -41,6 +43,7 @@ import statistics
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import bounds  # pylint: disable=g-import-not-at-top
 import common  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 
@@ -90,9 +93,30 @@ def per_device(report):
                         for d in devices}}
 
 
+def physical_bound(args, devices, x, y, num_params, times):
+  """Prints and returns the physical bound of each configuration's step
+  (see bounds.py): the MLP's matmul FLOPs at the global batch, and the
+  ZeRO paper's communication per device of Ψ float32 gradients over
+  g devices, in units of (g-1)/g x 4 Ψ bytes: 2 for plain data
+  parallelism (ring all-reduce) and stages 1 and 2 (reduce-scatter of the
+  gradients, all-gather of the weights), 3 for stage 3 (the weights are
+  all-gathered in the forward and again in the backward pass)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  batch = args.global_batch
+  flops, _, _ = bounds.model_flops(
+      lambda s: common.build_mlp(s, args), tf.constant(x[:batch]),
+      tf.constant(y[:batch]))
+  unit = NUM_DEVICES * (NUM_DEVICES - 1) * 4 * num_params / NUM_DEVICES
+  machine = bounds.Machine((batch // NUM_DEVICES, args.hidden, args.hidden),
+                           devices)
+  return bounds.table(machine, {
+      name: (flops, (3 if STAGES[name] == 3 else 2) * unit, t)
+      for name, t in times.items()})
+
+
 def main(argv=None):
   args = parse_args(argv)
-  tfpar.configure_virtual_cpus(NUM_DEVICES)
+  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
 
   x, y = common.synthetic_classification(args,
                                          args.steps * args.global_batch)
@@ -163,7 +187,10 @@ def main(argv=None):
   print("\nloss after the untimed warm-up fit: " + ", ".join(
       f"{name} {loss:.6f}" for name, loss in warmup_loss.items()))
 
+  bound = physical_bound(args, devices, x, y, num_params, times)
+
   common.write_json(args.output, {
+      "physical_bound": bound,
       "benchmark": "zero", "devices": NUM_DEVICES,
       "num_params": num_params, "global_batch": args.global_batch,
       "features": args.features, "hidden": args.hidden,
