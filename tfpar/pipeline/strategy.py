@@ -57,8 +57,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     virtual_stages: stages per pipeline device, v (`"interleaved"` only,
       at least 2).
     communication_dtype: with a `tensor` axis, what tensor-parallel stages
-      communicate in under a mixed policy: None (the compute dtype) or
-      `"float32"` (see `tfpar.TensorParallelStrategy`).
+      add partial sums in under a mixed policy: `"float32"` (the default)
+      or `"compute"` (see `tfpar.TensorParallelStrategy`).
     plan: with a `tensor` axis, how the stages' layers are split: a
       `tfpar.ShardingPlan`, a list of `(regex, style)` rules, or None for
       the built-in plans (see `tfpar.TensorParallelStrategy`).
@@ -86,7 +86,7 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
   def __init__(self, mesh=None, num_microbatches=None, schedule="1f1b",
                stages="auto", recompute=False, plan=None,
                communication_options=None, virtual_stages=1,
-               communication_dtype=None):
+               communication_dtype="float32"):
     if (not isinstance(num_microbatches, numbers.Integral) or
         isinstance(num_microbatches, bool) or num_microbatches < 1):
       raise ValueError(

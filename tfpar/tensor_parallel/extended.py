@@ -136,7 +136,7 @@ def shard_layers(extended, layer_layouts, tensor_size, first_column=0,
     sequence_parallel: split position-wise regions along the sequence.
 
   Partial sums are added in float32 when `extended.float32_sums` is set
-  (the strategies' `communication_dtype="float32"`).
+  (the strategies' default `communication_dtype="float32"`).
   """
   columns = slice(first_column, first_column + tensor_size)
 

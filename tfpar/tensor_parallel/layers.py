@@ -7,13 +7,14 @@ onto the head, tagged with its shards; a row-parallel layer that receives
 such a tensor uses the shards directly, so TensorFlow prunes the unused
 gather from the traced step (Megatron's f/g pairs).
 
-Under a mixed policy, shards communicate in the compute dtype (Megatron's
-choice), so each device rounds its partial sums before they are added,
-where one device's matmul rounds its float32 accumulation once. With
-`float32_sums` (the strategies' `communication_dtype="float32"`) the
-partial products of row-parallel layers and the input gradients of
-column-parallel ones cross devices in float32 and are rounded once after
-the sum, as on one device, for twice the bytes.
+Under a mixed policy, with `float32_sums` (the strategies' default,
+`communication_dtype="float32"`) the partial products of row-parallel
+layers and the input gradients of column-parallel ones cross devices in
+float32 and are rounded to the compute dtype once after the sum, as one
+device's matmul rounds its float32 accumulation. Without it
+(`communication_dtype="compute"`, Megatron's choice) they cross in the
+compute dtype, half the bytes, and each device rounds its partial sums
+before they are added.
 """
 
 import dataclasses
@@ -69,19 +70,20 @@ def sequence_chunks(tensor, devices):
   return _parts(tensor, _SEQUENCE_ATTRIBUTE, SEQUENCE_AXIS, devices)
 
 
-COMMUNICATION_DTYPES = (None, "float32")
+COMMUNICATION_DTYPES = ("float32", "compute")
 
 
 def float32_sums(communication_dtype):
   """Whether a strategy's `communication_dtype` adds partial sums in
-  float32; raises a ValueError for anything but None and "float32"."""
+  float32; raises a ValueError for anything but "float32" and "compute"."""
   if communication_dtype not in COMMUNICATION_DTYPES:
     raise ValueError(
-        f"communication_dtype must be None (the compute dtype of the Keras "
-        f"policy, as Megatron-LM communicates) or 'float32' (partial sums "
-        f"added in float32, as one device's matmul accumulates; twice the "
-        f"bytes under a mixed policy). Received: "
-        f"communication_dtype={communication_dtype!r}")
+        f"communication_dtype must be 'float32' (partial sums added in "
+        f"float32 and rounded once, as one device's matmul: training within "
+        f"stock Mirrored's spread) or 'compute' (the Keras policy's compute "
+        f"dtype, as Megatron-LM communicates: half those bytes under a "
+        f"mixed policy). Received: communication_dtype="
+        f"{communication_dtype!r}")
   return communication_dtype == "float32"
 
 

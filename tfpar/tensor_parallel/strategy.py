@@ -28,11 +28,12 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       device).
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
-    communication_dtype: the dtype activations and their gradients cross
-      the tensor group in under a mixed Keras policy: None (the compute
-      dtype, as Megatron-LM; each device rounds its partial sums before
-      they are added) or `"float32"` (partial sums added in float32 and
-      rounded once, as one device's matmul; twice the bytes).
+    communication_dtype: what partial sums cross the tensor group in under
+      a mixed Keras policy: `"float32"` (the default: added in float32 and
+      rounded once, as one device's matmul, so training stays within stock
+      Mirrored's spread from one device) or `"compute"` (the compute dtype,
+      as Megatron-LM: half those bytes, each device rounding its partial
+      sums before they are added). No effect under `float32`.
 
   Raises:
     ValueError: the mesh has a pipeline axis, a bad plan or
@@ -55,7 +56,7 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
   """
 
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,
-               communication_options=None, communication_dtype=None):
+               communication_options=None, communication_dtype="float32"):
     if not isinstance(sequence_parallel, bool):
       raise ValueError(f"sequence_parallel must be True or False. Received: "
                        f"sequence_parallel={sequence_parallel!r}")
