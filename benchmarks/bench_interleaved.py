@@ -106,15 +106,8 @@ def measure_memory(keras, tf, m, schedule, args):
     model = bench_pipeline.chain(keras, count, args.memory_width,
                                  layers_per_block=16 // count)
     model.compile(optimizer="sgd", loss="mse")
-  batch = args.memory_rows * m
-  x = np.random.default_rng(0).normal(
-      size=(batch * 2, args.memory_width)).astype("float32")
-  model.fit(x, x[:, :1], batch_size=batch, epochs=1, verbose=0,
-            shuffle=False)
-  tf.config.experimental.reset_memory_stats("CPU:0")
-  before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-  model.fit(x[:batch], x[:batch, :1], batch_size=batch, epochs=1, verbose=0)
-  return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+  return bench_pipeline.step_peak_bytes(tf, model, args.memory_rows * m,
+                                        args.memory_width)
 
 
 def main(argv=None):

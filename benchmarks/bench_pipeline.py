@@ -153,16 +153,20 @@ def measure_memory(keras, tf, m, schedule, args):
   with strategy.scope():
     model = chain(keras, p, args.memory_width, layers_per_block=4)
     model.compile(optimizer="sgd", loss="mse")
-  batch = args.memory_rows * m
+  return step_peak_bytes(tf, model, args.memory_rows * m, args.memory_width)
+
+
+def step_peak_bytes(tf, model, batch, width):
+  """TF's CPU allocator peak during one step of `model` (after 2 warm-up
+  steps) minus the bytes in use before it."""
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(batch * 2, args.memory_width)).astype("float32")
+  x = rng.normal(size=(batch * 2, width)).astype("float32")
   y = x[:, :1]
   model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
   tf.config.experimental.reset_memory_stats("CPU:0")
   before = tf.config.experimental.get_memory_info("CPU:0")["current"]
   model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
-  peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-  return peak - before
+  return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
 
 def physical_bound(keras, tf, args, devices, spans):

@@ -106,11 +106,17 @@ def device_orders(schedule, pipeline_size, num_microbatches,
       continue
     backwards = [work(d, k, BACKWARD) for k in range(total)]
     warmup = total if m == p else min(2 * (p - d - 1) + (v - 1) * p, total)
-    order = forwards[:warmup]
-    for k in range(total - warmup):
-      order += [forwards[warmup + k], backwards[k]]
-    orders.append(order + backwards[total - warmup:])
+    orders.append(_one_forward_one_backward(forwards, backwards, warmup))
   return orders
+
+
+def _one_forward_one_backward(forwards, backwards, warmup):
+  """`warmup` forwards, then one forward and one backward in turn, then the
+  remaining backwards."""
+  order = forwards[:warmup]
+  for k in range(len(forwards) - warmup):
+    order += [forwards[warmup + k], backwards[k]]
+  return order + backwards[len(forwards) - warmup:]
 
 
 def stage_orders(schedule, num_stages, num_microbatches, backward=True):
@@ -146,11 +152,7 @@ def stage_orders(schedule, num_stages, num_microbatches, backward=True):
       orders.append(forwards + backwards)
       continue
     warmup = min(num_stages - s - 1, num_microbatches)
-    order = forwards[:warmup]
-    for k in range(num_microbatches - warmup):
-      order += [forwards[warmup + k], backwards[k]]
-    order += backwards[num_microbatches - warmup:]
-    orders.append(order)
+    orders.append(_one_forward_one_backward(forwards, backwards, warmup))
   return orders
 
 
