@@ -2,7 +2,9 @@
 
 Trains tp_common's GPT under TensorParallelStrategy (tensor 2 inside each
 worker, data across workers) and writes what the worker saw to
-`<out_dir>/worker<i>.json`; the chief also saves the weights.
+`<out_dir>/worker<i>.json`; the chief also saves the weights. Then each
+worker reads `model.get_weights()` and sets the weights of a fresh
+one-device GPT (seed 9) with `set_weights`, and records its predictions.
 
 Usage: tp_worker.py OUT_DIR
 """
@@ -26,6 +28,11 @@ def main():
   result = tp_common.worker_result(strategy, model, predict_count=20)
   if mesh.cluster.is_chief:
     model.save_weights(os.path.join(out_dir, "weights.weights.h5"))
+  result["get_weights"] = [w.tolist() for w in model.get_weights()]
+  model.set_weights(tp_common.gpt(seed=9).get_weights())
+  px, _ = tp_common.data("gpt", count=20, seed=7)
+  result["predict_after_set_weights"] = model.predict(
+      px, batch_size=8, verbose=0).tolist()
   with open(os.path.join(out_dir, f"worker{mesh.cluster.task_id}.json"),
             "w") as f:
     json.dump(result, f)
