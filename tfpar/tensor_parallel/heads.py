@@ -64,29 +64,38 @@ def _take_head(variable, head, axis):
   return tf.convert_to_tensor(variable)[tuple(index)]
 
 
-def _head_slice(dense, x, head, equation):
-  """`dense` on `x` restricted to head `head` of its whole kernel."""
+def _head_slice(dense, x, head, equation, float32=False):
+  """`dense` on `x` restricted to head `head` of its whole kernel; with
+  `float32`, as `layers_lib.project` computes (its input may be float32)."""
   letter = layouts.einsum_split_letter(equation, styles.COLUMN)
   _, kernel_letters, output = layouts.einsum_letters(equation)
   axis = kernel_letters.index(letter)
-  kernel = _take_head(dense.kernel, head, axis)
-  y = keras.ops.einsum(equation, x, kernel)
+  compute = dense.compute_dtype
+  kernel = keras.ops.cast(_take_head(dense.kernel, head, axis), compute)
+  if float32 and compute in ("bfloat16", "float16"):
+    y = keras.ops.cast(keras.ops.einsum(
+        equation, keras.ops.cast(x, "float32"),
+        keras.ops.cast(kernel, "float32")), compute)
+  else:
+    y = keras.ops.einsum(equation, x, kernel)
   if dense.bias is not None:
     bias = dense.bias
     if letter in (dense.bias_axes or ""):
       bias_axis = len(bias.shape) + output.index(letter) - len(output)
       bias = _take_head(bias, head, bias_axis)
-    y = keras.ops.add(y, bias)
+    y = keras.ops.add(y, keras.ops.cast(bias, y.dtype))
   return y
 
 
 def replay(layout, group, sequence_parallel, float32_sums):
   """The tensor-parallel `call` of a registered attention layer.
 
-  With `float32_sums` its output projection's partial products are summed
-  in float32; its inputs still cross in the compute dtype (the layer's own
-  code may compute on them before projecting), so the input gradients of
-  its projections are summed in the compute dtype."""
+  With `float32_sums` its inputs cross in float32 and its projections take
+  them without Keras's autocast (they cast the operands themselves,
+  `layers_lib.project`), so the input gradients coming back are summed in
+  float32; its output projection's partial products are summed in float32
+  too. Its other sublayers autocast the inputs back to the compute dtype,
+  exactly (float32 copies of compute-dtype values)."""
   layer = layout.layer
   family = families.family_of(layer)
   parts = family.projections(layer)
@@ -104,14 +113,17 @@ def replay(layout, group, sequence_parallel, float32_sums):
                                   partial=True, float32=float32_sums)
       if role != "query" and state["shared"]:
         head = index // (state["tensor_size"] // state["shared"])
-        y = _head_slice(dense, inputs, head, dense.equation)
+        y = _head_slice(dense, inputs, head, dense.equation, float32_sums)
       else:
-        y = layers_lib.project(dense, inputs, index, dense.equation)
+        y = layers_lib.project(dense, inputs, index, dense.equation,
+                               float32=float32_sums)
       return y if dense.activation is None else dense.activation(y)
     return call
 
   for role, dense in parts.items():
     object.__setattr__(dense, "call", projection_call(role, dense))
+    if float32_sums:
+      dense.autocast = False
 
   def call(*args, **kwargs):
     devices = group()
@@ -124,7 +136,8 @@ def replay(layout, group, sequence_parallel, float32_sums):
     copies = {}
     for x in tensors:
       if id(x) not in copies:
-        copies[id(x)] = layers_lib.spread(x, devices, layer.name)
+        copies[id(x)] = layers_lib.spread(x, devices, layer.name,
+                                          float32_sums)
     mask = backend.get_keras_mask(args[0]) if args else None
 
     partials = []

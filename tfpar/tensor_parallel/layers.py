@@ -164,7 +164,7 @@ def project(layer, x, index, equation=None, partial=False, float32=False):
   if widen:
     y = ops.cast(y, layer.compute_dtype)
   if isinstance(layer.bias, variables_lib.ShardedWeight):
-    y = ops.add(y, layer.bias.shards[index])
+    y = ops.add(y, ops.cast(layer.bias.shards[index], y.dtype))
   return y
 
 
@@ -257,11 +257,12 @@ def _row(layout, group, sequence_parallel, float32_sums):
 
 
 def _vocab(layout, group, sequence_parallel, float32_sums):
-  del float32_sums  # Its partial rows are exact: one of them is not zero.
+  # Its partial rows are exact (one of them is not zero); `float32_sums`
+  # matters for its reversed use (tied logits).
   layer = layout.layer
   rows = layer.input_dim // len(keras_layers.embeddings(layer).shards)
 
-  reverse_call = _reverse(layer, group)
+  reverse_call = _reverse(layer, group, float32_sums)
 
   def call(inputs, reverse=False):
     if reverse:
@@ -288,14 +289,16 @@ def _vocab(layout, group, sequence_parallel, float32_sums):
   return call
 
 
-def _reverse(layer, group):
+def _reverse(layer, group, float32_sums):
   """`keras.layers.ReversibleEmbedding(...)(x, reverse=True)` on a table
-  split on the vocabulary: each device computes its slice of the logits."""
+  split on the vocabulary: each device computes its slice of the logits
+  (with `float32_sums`, from a float32 copy of its input, so that the
+  input's gradient is summed in float32)."""
   tied = getattr(layer, "tie_weights", True)
 
   def call(inputs):
     devices = group()
-    xs = spread(inputs, devices, layer.name)
+    xs = spread(inputs, devices, layer.name, float32_sums)
     outs = []
     for index, device in enumerate(devices):
       def shard_fn(x, index=index):
@@ -306,7 +309,12 @@ def _reverse(layer, group):
         if layer.reverse_dtype is not None:
           x = ops.cast(x, layer.reverse_dtype)
           kernel = ops.cast(kernel, layer.reverse_dtype)
-        logits = ops.matmul(x, kernel)
+          logits = ops.matmul(x, kernel)
+        elif x.dtype != kernel.dtype:  # A float32 copy (`float32_sums`).
+          logits = ops.cast(ops.matmul(x, ops.cast(kernel, x.dtype)),
+                            kernel.dtype)
+        else:
+          logits = ops.matmul(x, kernel)
         if layer.logit_soft_cap is not None:
           cap = layer.logit_soft_cap
           logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
