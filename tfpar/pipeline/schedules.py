@@ -98,25 +98,30 @@ def device_orders(schedule, pipeline_size, num_microbatches,
       chunk = v - 1 - chunk
     return Work(chunk * p + device, (k // (p * v)) * p + k % p, phase)
 
+  def warmup(device):
+    return total if m == p else min(2 * (p - device - 1) + (v - 1) * p, total)
+
+  return _orders(p, total, work, warmup, backward)
+
+
+def _orders(devices, count, work, warmup, backward):
+  """Each device's `count` items of each phase (`work(device, k, phase)`):
+  forwards only without `backward`; else `warmup(device)` forwards, then
+  one forward and one backward in turn, then the remaining backwards
+  (GPipe: a warm-up of every forward)."""
   orders = []
-  for d in range(p):
-    forwards = [work(d, k, FORWARD) for k in range(total)]
+  for d in range(devices):
+    forwards = [work(d, k, FORWARD) for k in range(count)]
     if not backward:
       orders.append(forwards)
       continue
-    backwards = [work(d, k, BACKWARD) for k in range(total)]
-    warmup = total if m == p else min(2 * (p - d - 1) + (v - 1) * p, total)
-    orders.append(_one_forward_one_backward(forwards, backwards, warmup))
+    backwards = [work(d, k, BACKWARD) for k in range(count)]
+    first = warmup(d)
+    order = forwards[:first]
+    for k in range(count - first):
+      order += [forwards[first + k], backwards[k]]
+    orders.append(order + backwards[count - first:])
   return orders
-
-
-def _one_forward_one_backward(forwards, backwards, warmup):
-  """`warmup` forwards, then one forward and one backward in turn, then the
-  remaining backwards."""
-  order = forwards[:warmup]
-  for k in range(len(forwards) - warmup):
-    order += [forwards[warmup + k], backwards[k]]
-  return order + backwards[len(forwards) - warmup:]
 
 
 def stage_orders(schedule, num_stages, num_microbatches, backward=True):
@@ -141,19 +146,11 @@ def stage_orders(schedule, num_stages, num_microbatches, backward=True):
   if schedule not in ("gpipe", "1f1b"):
     raise ValueError(f"schedule must be 'gpipe' or '1f1b' for one stage per "
                      f"device. Received: schedule={schedule!r}")
-  orders = []
-  for s in range(num_stages):
-    forwards = [Work(s, k, FORWARD) for k in range(num_microbatches)]
-    if not backward:
-      orders.append(forwards)
-      continue
-    backwards = [Work(s, k, BACKWARD) for k in range(num_microbatches)]
-    if schedule == "gpipe":
-      orders.append(forwards + backwards)
-      continue
-    warmup = min(num_stages - s - 1, num_microbatches)
-    orders.append(_one_forward_one_backward(forwards, backwards, warmup))
-  return orders
+  if schedule == "gpipe":
+    warmup = lambda s: num_microbatches
+  else:
+    warmup = lambda s: min(num_stages - s - 1, num_microbatches)
+  return _orders(num_stages, num_microbatches, Work, warmup, backward)
 
 
 def build_order(orders):
