@@ -34,13 +34,10 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # pylint: disable=g-import-not-at-top
 
 import bench_pipeline  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
@@ -84,15 +81,8 @@ def measure_bubble(keras, timed, p, m, schedule, args, picture=None):
     model = bench_pipeline.chain(keras, stages(p, schedule), 64,
                                  timed=timed[schedule])
     model.compile(optimizer="sgd", loss="mse")
-  batch = 8 * m * strategy.num_replicas_in_sync
-  steps = 2 + args.runs
-  x = np.random.default_rng(0).normal(size=(batch * steps, 64)).astype(
-      "float32")
-  log_root = tempfile.mkdtemp(prefix="tfpar_bench_il_")
-  traces = [tfpar.PipelineTrace(os.path.join(log_root, str(r)), step=2 + r,
-                                verbose=False) for r in range(args.runs)]
-  model.fit(x, x[:, :1], batch_size=batch, epochs=1, verbose=0,
-            callbacks=traces, shuffle=False)
+  traces = bench_pipeline.profiled_traces(
+      model, 64, 8 * m * strategy.num_replicas_in_sync, args.runs)
   if picture:
     shutil.copy(os.path.join(traces[-1].log_dir, "schedule.png"), picture)
   return [t.trace.bubble_fraction() for t in traces]

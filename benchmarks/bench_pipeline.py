@@ -126,19 +126,25 @@ def measure_bubble(keras, p, m, schedule, args, timed, spans=None):
   with strategy.scope():
     model = chain(keras, p, width, timed=timed)
     model.compile(optimizer="sgd", loss="mse")
-  batch = args.rows * m * strategy.num_replicas_in_sync
-  steps = 2 + args.runs
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(batch * steps, width)).astype("float32")
-  y = x[:, :1]
-  log_root = tempfile.mkdtemp(prefix="tfpar_bench_pp_")
-  traces = [tfpar.PipelineTrace(os.path.join(log_root, str(r)), step=2 + r,
-                                verbose=False) for r in range(args.runs)]
-  model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=traces,
-            shuffle=False)
+  traces = profiled_traces(model, width, args.rows * m *
+                           strategy.num_replicas_in_sync, args.runs)
   if spans is not None:
     spans.extend(makespans(traces))
   return [t.trace.bubble_fraction() for t in traces]
+
+
+def profiled_traces(model, width, batch, runs):
+  """Fits `model` on `2 + runs` batches of `batch` random rows, the last
+  `runs` steps each profiled by a `tfpar.PipelineTrace`; returns those
+  callbacks."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(batch * (2 + runs), width)).astype("float32")
+  log_root = tempfile.mkdtemp(prefix="tfpar_bench_pp_")
+  traces = [tfpar.PipelineTrace(os.path.join(log_root, str(r)), step=2 + r,
+                                verbose=False) for r in range(runs)]
+  model.fit(x, x[:, :1], batch_size=batch, epochs=1, verbose=0,
+            callbacks=traces, shuffle=False)
+  return traces
 
 
 def makespans(traces):
