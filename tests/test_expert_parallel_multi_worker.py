@@ -3,8 +3,8 @@
 
 import json
 import os
-import subprocess
-import sys
+
+import launch_common
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "ep_worker.py")
 TIMEOUT = 300
@@ -12,12 +12,7 @@ TIMEOUT = 300
 
 def test_expert_groups_inside_and_across_workers_train_like_one_device(
     tmp_path):
-  run = subprocess.run(
-      [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
-       "--devices-per-worker", "2", "--timeout", str(TIMEOUT), WORKER,
-       str(tmp_path)],
-      capture_output=True, text=True, timeout=TIMEOUT + 60)
-  assert run.returncode == 0, run.stdout[-4000:]
+  launch_common.launch_ok(WORKER, tmp_path, timeout=TIMEOUT)
   for task in (0, 1):
     with open(tmp_path / f"worker{task}.json") as f:
       result = json.load(f)

@@ -9,13 +9,12 @@ connection once for all of them.
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import dp_common
+import launch_common
 import stock_strategies
 
 TOLERANCE = 1e-5
@@ -26,11 +25,8 @@ LAUNCH_TIMEOUT = 600  # Seconds for one launch of up to 5 fits.
 def _launch(out_dir, *scenarios, workers=2):
   """One `tfpar launch` whose workers run `scenarios` in order (see
   dp_worker.py)."""
-  command = [sys.executable, "-m", "tfpar", "launch", "--workers", str(workers),
-             "--devices-per-worker", "2", "--timeout", str(LAUNCH_TIMEOUT),
-             WORKER, str(out_dir), *scenarios]
-  return subprocess.run(command, capture_output=True, text=True,
-                        timeout=LAUNCH_TIMEOUT + 60)
+  return launch_common.launch(WORKER, out_dir, *scenarios, workers=workers,
+                              timeout=LAUNCH_TIMEOUT)
 
 
 def _results(out_dir, scenario, run, workers=2):

@@ -3,11 +3,10 @@ started by `tfpar launch` on loopback; compared with one device here."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 
+import launch_common
 import pp_common
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "pp_worker.py")
@@ -15,12 +14,7 @@ LAUNCH_TIMEOUT = 300
 
 
 def test_stages_on_two_workers_match_one_device(tmp_path):
-  command = [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
-             "--devices-per-worker", "2", "--timeout", str(LAUNCH_TIMEOUT),
-             WORKER, str(tmp_path)]
-  run = subprocess.run(command, capture_output=True, text=True,
-                       timeout=LAUNCH_TIMEOUT + 60)
-  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  launch_common.launch_ok(WORKER, tmp_path, timeout=LAUNCH_TIMEOUT)
   with open(tmp_path / "chief.json") as f:
     result = json.load(f)
   for stage, devices in result["stage_devices"].items():

@@ -3,11 +3,10 @@ tensor 2 inside each worker, data 2 across them, equal to one device."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 
+import launch_common
 import tfpar
 import tp_common
 
@@ -16,12 +15,7 @@ LAUNCH_TIMEOUT = 300
 
 
 def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path):
-  run = subprocess.run(
-      [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
-       "--devices-per-worker", "2", "--timeout", str(LAUNCH_TIMEOUT), WORKER,
-       str(tmp_path)],
-      capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 60)
-  assert run.returncode == 0, run.stdout[-4000:]
+  launch_common.launch_ok(WORKER, tmp_path, timeout=LAUNCH_TIMEOUT)
   results = [json.load(open(tmp_path / f"worker{i}.json")) for i in range(2)]
   assert [r["num_replicas"] for r in results] == [2, 2]
   assert results[1]["groups"] == [[

@@ -6,14 +6,13 @@ one host and across TF_CONFIG workers.
 """
 
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import launch_common
 import tfpar
 
 
@@ -61,12 +60,8 @@ except ValueError as e:
 def test_uneven_batch_across_workers_is_refused_on_every_worker(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
-  run = subprocess.run(
-      [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
-       "--devices-per-worker", "2", "--timeout", "120", str(script)],
-      capture_output=True, text=True, timeout=180,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  run = launch_common.launch_ok(
+      script, timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
   for index in range(2):
     assert (f"[worker {index}] refused: batch_size=6 does not split evenly "
             f"over the data size 4" in run.stdout), run.stdout[-3000:]

@@ -14,8 +14,8 @@ against 2-3 KB, docs/zero.md). The workers count every key TensorFlow's
 
 import json
 import os
-import subprocess
-import sys
+
+import launch_common
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers",
                       "zero_memory_worker.py")
@@ -25,12 +25,8 @@ FIRST, LAST = 4, 12  # Steps counted: after the step is traced.
 
 def test_zero3_takes_no_more_collective_keys_than_data_parallelism(
     tmp_path):
-  run = subprocess.run(
-      [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
-       "--devices-per-worker", "2", "--timeout", str(TIMEOUT), WORKER,
-       str(tmp_path), "keys", str(FIRST), str(LAST), "none", "3"],
-      capture_output=True, text=True, timeout=TIMEOUT + 60, check=False)
-  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+  launch_common.launch_ok(WORKER, tmp_path, "keys", FIRST, LAST, "none", 3,
+                          timeout=TIMEOUT)
   for task in range(2):
     with open(tmp_path / f"keys_worker{task}.json") as f:
       per_step = json.load(f)
