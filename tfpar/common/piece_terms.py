@@ -18,7 +18,23 @@ _NORMS = (keras.constraints.MaxNorm, keras.constraints.UnitNorm,
           keras.constraints.MinMaxNorm)
 
 
-def _check(variable, split_axis):
+def check_splittable(variable, split_axis):
+  """Raises a ValueError if `variable`'s regularizer or constraint cannot
+  be applied to its pieces split along `split_axis`.
+
+  Example:
+
+  >>> import keras
+  >>> from tfpar.common.piece_terms import check_splittable
+  >>> layer = keras.layers.Dense(
+  ...     4, kernel_regularizer=keras.regularizers.OrthogonalRegularizer(),
+  ...     name="proj")
+  >>> layer.build((None, 2))
+  >>> check_splittable(layer.kernel, 1)
+  Traceback (most recent call last):
+  ...
+  ValueError: Weight 'proj/kernel' is split over devices along axis 1, but its regularizer OrthogonalRegularizer is not a sum over elements, so it cannot be computed piece by piece. Use L1, L2 or L1L2, or keep the weight whole (replicated) in the plan.
+  """
   regularizer = getattr(variable, "regularizer", None)
   if regularizer is not None and type(regularizer) not in _SUMS:
     raise ValueError(
@@ -44,35 +60,14 @@ def _check(variable, split_axis):
       f"keep the weight whole (replicated) in the plan.")
 
 
-def check_splittable(variable, split_axis):
-  """Raises a ValueError if `variable`'s regularizer or constraint cannot
-  be applied to its pieces split along `split_axis`.
-
-  Example:
-
-  >>> import keras
-  >>> from tfpar.common.piece_terms import check_splittable
-  >>> layer = keras.layers.Dense(
-  ...     4, kernel_regularizer=keras.regularizers.OrthogonalRegularizer(),
-  ...     name="proj")
-  >>> layer.build((None, 2))
-  >>> check_splittable(layer.kernel, 1)
-  Traceback (most recent call last):
-  ...
-  ValueError: Weight 'proj/kernel' is split over devices along axis 1, but its regularizer OrthogonalRegularizer is not a sum over elements, so it cannot be computed piece by piece. Use L1, L2 or L1L2, or keep the weight whole (replicated) in the plan.
-  """
-  _check(variable, split_axis)
-
-
-def carry_over(variable, split_axis, pieces):
-  """Gives each piece `variable`'s regularizer and constraint.
+def carry_over(variable, pieces):
+  """Gives each piece `variable`'s regularizer and constraint (checked
+  with `check_splittable` before the split).
 
   Args:
     variable: the whole Keras variable.
-    split_axis: the axis it is split along.
     pieces: the Keras variables of its pieces.
   """
-  _check(variable, split_axis)
   for piece in pieces:
     piece.regularizer = getattr(variable, "regularizer", None)
     piece.constraint = getattr(variable, "constraint", None)

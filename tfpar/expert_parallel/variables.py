@@ -122,6 +122,7 @@ def split_expert_weight(variable, ranks, expert):
         f"({type(variable.regularizer).__name__}); expert parallelism does "
         f"not apply weight regularizers to split experts yet. Remove it or "
         f"train without an expert axis.")
+  piece_terms.check_splittable(variable, 0)  # Its constraint.
   whole = np.asarray(variable.numpy())
   pieces = np.split(whole, expert, axis=0)
   with tf.init_scope():
@@ -136,7 +137,7 @@ def split_expert_weight(variable, ranks, expert):
           f"{len(ranks)} local replica(s).")
     for rank, component in zip(ranks, parts):
       component.assign(pieces[rank])
-  piece_terms.carry_over(variable, 0, [local])  # Its constraint.
+  piece_terms.carry_over(variable, [local])
   weight = ExpertWeight(variable.path, local, ranks, expert)
   checkpoint_whole(local, ranks, expert)
   # Keras's get_weights / set_weights speak whole weights

@@ -120,14 +120,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
             "on the 'data' axis, or use '1f1b' or 'gpipe' for a pipeline "
             "across workers.")
       mesh = cross_worker.driver_mesh(mesh)  # Other workers serve, then exit.
-    if isinstance(mesh, mesh_lib.Mesh):  # Before any work (the engine
-      # checks every other kind of mesh first).
-      schedules.check_interleaving(schedule, virtual_stages,
-                                   mesh.shape["pipeline"], num_microbatches)
     super().__init__(mesh, communication_options)
     stages_count = self.mesh.shape["pipeline"]
-    schedules.check_interleaving(schedule, virtual_stages, stages_count,
-                                 num_microbatches)
     if num_microbatches < stages_count:
       warnings.warn(
           f"num_microbatches={num_microbatches} is fewer than the "
@@ -143,6 +137,9 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
         float32_sums=self._float32_sums)
 
   def _check_mesh(self, mesh):
+    num_microbatches, schedule, _, _, virtual_stages = self._options
+    schedules.check_interleaving(schedule, virtual_stages,
+                                 mesh.shape["pipeline"], num_microbatches)
     if self._plan is not None and mesh.shape["tensor"] == 1:
       raise ValueError(
           "plan splits layers over the mesh's tensor axis, but this mesh has "

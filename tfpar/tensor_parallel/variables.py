@@ -51,7 +51,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
                                name=f"{variable.name}_shard{index}")
       keras_layers.set_path(shard, f"{variable.path}_shard{index}")
       shards.append(shard)
-    piece_terms.carry_over(variable, variable_layout.axis, shards)
+    piece_terms.carry_over(variable, shards)
     weight = ShardedWeight(variable_layout, shards)
     _replace(owner, variable, weight)
     logical[variable.path] = weight
