@@ -286,9 +286,10 @@ def test_bad_settings_fail_before_any_work(kwargs, message):
     tfpar.ExpertParallelStrategy(tfpar.Mesh({"data": 4}), **kwargs)
 
 
-def test_tensor_axis_is_refused():
-  with pytest.raises(ValueError, match="does not combine with tensor"):
-    tfpar.ExpertParallelStrategy(tfpar.Mesh({"data": 2, "tensor": 2}),
+def test_pipeline_axis_is_refused():
+  # A tensor axis is expert x tensor (tests/test_expert_tensor_parallel.py).
+  with pytest.raises(ValueError, match="does not combine with pipeline"):
+    tfpar.ExpertParallelStrategy(tfpar.Mesh({"data": 2, "pipeline": 2}),
                                  expert=2)
 
 

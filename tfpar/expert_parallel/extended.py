@@ -28,22 +28,28 @@ class MoEContext:
     capacity_factor: None (no token is dropped) or a positive number.
   """
 
-  def __init__(self, extended, groups, capacity_factor):
+  def __init__(self, extended, groups, capacity_factor, columns=1,
+               on_column=None):
     self._extended = extended
     self.groups = groups
     self.capacity_factor = capacity_factor
+    # Devices of a replica that hold experts: 1 (its head), or the tensor
+    # size under expert x tensor, where `on_column(k, fn, *inputs)` runs
+    # `fn` forward and backward on the running replica's k-th device.
+    self.columns = columns
+    self.on_column = on_column
     self._launchers = None
     self._expert_variables = {}  # id of tf variable -> ExpertWeight
+    self._columns_of = {}  # id of tf variable -> its tensor column
     self.drop_counters = {}  # block path -> tf.Variable [dropped, routed]
 
   @property
   def launchers(self):
     if self._launchers is None:
       extended = self._extended
-      heads = [group[0] for group in extended.mesh.replicas]
       self._launchers = groups_lib.Launchers(
-          self.groups, heads, extended.local_replica_ids(),
-          distribute.communication_options(extended))
+          self.groups, extended.mesh.replicas, extended.local_replica_ids(),
+          distribute.communication_options(extended), columns=self.columns)
     return self._launchers
 
   def replica_id(self):
@@ -57,7 +63,19 @@ class MoEContext:
     return None if replica is None else int(replica)
 
   def register(self, weight):
-    self._expert_variables[id(weight.variable.value)] = weight
+    for column, variable in enumerate(weight.variables):
+      for key in (id(variable.value), id(keras_layers.storage(variable))):
+        self._expert_variables[key] = weight
+        self._columns_of[key] = column
+
+  def weight_of(self, variable):
+    """The `ExpertWeight` of an expert Keras variable."""
+    return self._expert_variables[id(keras_layers.storage(variable))]
+
+  def column_of(self, variable):
+    """The tensor column holding an expert tf.Variable (0 without a
+    tensor axis)."""
+    return self._columns_of.get(id(variable), 0)
 
   def expert_weights(self):
     """Every `ExpertWeight` split so far."""
@@ -84,21 +102,23 @@ class MoEContext:
     # Not `variable.value`: inside a layer under a mixed policy that is a
     # cast copy.
     weight = self._expert_variables[id(keras_layers.storage(variable))]
+    return self.whole_of(weight)
+
+  def whole_of(self, weight):
+    """The whole [E, ...] tensor of an `ExpertWeight` (see `whole_value`)."""
     by_rank = weight.components_by_rank()
     missing = [r for r in range(self.groups.expert) if r not in by_rank]
     if missing and keras_modules.symbolic_scope.in_symbolic_scope():
       # Keras building the model symbolically: only shapes flow.
       piece = next(iter(by_rank.values()))
-      return tf.zeros([self.groups.expert * piece.shape[0]] +
-                      piece.shape[1:].as_list(), piece.dtype)
+      return tf.zeros(list(weight.shape), piece.dtype)
     if missing:
       raise ValueError(
           f"Calling the model outside the strategy's replicas needs the "
-          f"whole expert weight {variable.path!r}, but the experts of rank(s) "
+          f"whole expert weight {weight.path!r}, but the experts of rank(s) "
           f"{missing} live on other workers (the expert groups span "
           f"workers). Use fit / evaluate / predict, or strategy.run.")
-    return tf.concat([tf.convert_to_tensor(by_rank[r])
-                      for r in range(self.groups.expert)], 0)
+    return weight.whole_tensor()
 
   def count_drops(self, block, kept):
     counter = self.drop_counters[block.path]
@@ -107,23 +127,12 @@ class MoEContext:
     counter.assign_add(tf.stack([dropped, routed]))
 
 
-class ExpertParallelExtended(engine_extended.MeshExtended):
-  """The logic of `tfpar.ExpertParallelStrategy`.
-
-  Args:
-    container_strategy: the public strategy.
-    mesh: a data-only `tfpar.Mesh`.
-    expert: the expert-group size (divides the data size).
-    capacity_factor: None or a positive number (see `routing.capacity`).
-    communication_options: optional
-      `tf.distribute.experimental.CommunicationOptions`.
-  """
-
-  def __init__(self, container_strategy, mesh, expert, capacity_factor,
-               communication_options=None):
-    groups = groups_lib.ExpertGroups(mesh.num_replicas, expert)
-    super().__init__(container_strategy, mesh, communication_options)
-    self._context = MoEContext(self, groups, capacity_factor)
+class ExpertSplitting:
+  """What every expert-parallel `StrategyExtended` does: split the experts
+  of MoE blocks over the expert group and report routing. Mixed into
+  `ExpertParallelExtended` (a data-only mesh) and
+  `tensor_extended.ExpertTensorParallelExtended` (data x tensor), whose
+  `__init__` set `self._context` (a `MoEContext`)."""
 
   @property
   def context(self):
@@ -134,16 +143,10 @@ class ExpertParallelExtended(engine_extended.MeshExtended):
     replicas = self._mesh.replicas
     return [replicas.index(group) for group in self._local_groups]
 
-  preparation = "split its experts, so they would stay replicated"
-
-  def is_prepared(self, model):
-    return getattr(model, "_tfpar_experts_split", False)
-
-  def prepare_model(self, model):
-    if not self.is_prepared(model) and model.built:
-      self.split_experts(model)
-    if self.is_prepared(model) and getattr(model, "optimizer", None):
-      optimizer_lib.adopt(model.optimizer, self._context)
+  def column_scopes(self):
+    """None (experts on the replica heads), or a context per tensor column
+    placing new variables on that device of every replica."""
+    return None
 
   def split_experts(self, model):
     """Splits the experts of every MoE block of a built model.
@@ -161,7 +164,7 @@ class ExpertParallelExtended(engine_extended.MeshExtended):
           f"tfpar.DataParallelStrategy for it.")
     expert = self._context.groups.expert
     for block, family in blocks:
-      check_block(block, expert)
+      check_block(block, expert, self._context.columns)
       check_layout(block, family)
     blocks = [(block, family) for block, family in blocks
               if not getattr(block, "_tfpar_experts_split", False)]
@@ -178,7 +181,8 @@ class ExpertParallelExtended(engine_extended.MeshExtended):
         bank = block.expert_bank
         for name in family.expert_weight_names:
           variable = getattr(bank, name)
-          weight = variables_lib.split_expert_weight(variable, ranks, expert)
+          weight = variables_lib.split_expert_weight(
+              variable, ranks, expert, self.column_scopes())
           weight.gather = whole_experts.reader(self._context, weight)
           variables_lib.replace(bank, variable, weight)
           self._context.register(weight)
@@ -205,16 +209,55 @@ class ExpertParallelExtended(engine_extended.MeshExtended):
     return report
 
 
-def check_block(block, expert):
-  """Raises unless `block`'s experts and top-k fit the expert size."""
+class ExpertParallelExtended(ExpertSplitting, engine_extended.MeshExtended):
+  """The logic of `tfpar.ExpertParallelStrategy` on a data-only mesh.
+
+  Args:
+    container_strategy: the public strategy.
+    mesh: a data-only `tfpar.Mesh`.
+    expert: the expert-group size (divides the data size).
+    capacity_factor: None or a positive number (see `routing.capacity`).
+    communication_options: optional
+      `tf.distribute.experimental.CommunicationOptions`.
+  """
+
+  def __init__(self, container_strategy, mesh, expert, capacity_factor,
+               communication_options=None):
+    groups = groups_lib.ExpertGroups(mesh.num_replicas, expert)
+    super().__init__(container_strategy, mesh, communication_options)
+    self._context = MoEContext(self, groups, capacity_factor)
+
+  preparation = "split its experts, so they would stay replicated"
+
+  def is_prepared(self, model):
+    return getattr(model, "_tfpar_experts_split", False)
+
+  def prepare_model(self, model):
+    if not self.is_prepared(model) and model.built:
+      self.split_experts(model)
+    if self.is_prepared(model) and getattr(model, "optimizer", None):
+      optimizer_lib.adopt(model.optimizer, self._context)
+
+
+def check_block(block, expert, tensor=1):
+  """Raises unless `block`'s experts and top-k fit the expert size (times
+  the tensor size under expert x tensor, whose devices each hold
+  num_experts / (expert x tensor) experts)."""
   num_experts, top_k = block.num_experts, block.top_k
+  fits = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
   if num_experts % expert:
-    fits = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
     raise ValueError(
         f"Layer {block.path!r}: num_experts={num_experts} is not divisible "
         f"by expert={expert}, so its experts cannot be split evenly over "
         f"the expert group. Use an expert size in {fits} that divides the "
         f"data size.")
+  if num_experts % (expert * tensor):
+    raise ValueError(
+        f"Layer {block.path!r}: num_experts={num_experts} is not divisible "
+        f"by expert x tensor = {expert} x {tensor}: under expert x tensor "
+        f"each of the {expert * tensor} devices of an expert group holds "
+        f"whole experts, num_experts / (expert x tensor) of them. Use "
+        f"expert x tensor in {fits}.")
   if not 1 <= top_k <= num_experts:
     raise ValueError(
         f"Layer {block.path!r}: top_k={top_k} must be between 1 and "

@@ -13,6 +13,11 @@ the data-parallel replicas, so the mesh keeps its three axes:
 
 Everything else (attention, embeddings, the router) stays data-parallel:
 one copy per replica, gradients summed over all replicas.
+
+Under expert x tensor (a mesh with a tensor axis of size t) the groups are
+the same replicas; the k-th device of each replica holds E / (expert * t)
+of its rank's experts, and has its own expert-data group: the k-th devices
+of the replicas of its rank.
 """
 
 import dataclasses
@@ -98,13 +103,19 @@ class Launchers:
 
   Args:
     groups: the `ExpertGroups`.
-    heads: every replica's head device, in replica order (global).
+    replicas: every replica's device group, in replica order (global); the
+      tokens meet on the first device of each (its head).
     local_replicas: the global ids of this worker's replicas.
     options: `tf.distribute.experimental.CommunicationOptions`.
+    columns: the devices of a replica that hold experts (1: its head; the
+      tensor size under expert x tensor, where column k of every replica
+      holds its own experts and has its own expert-data groups).
   """
 
-  def __init__(self, groups, heads, local_replicas, options=None):
+  def __init__(self, groups, replicas, local_replicas, options=None,
+               columns=1):
     self._groups = groups
+    heads = [group[0] for group in replicas]
     keys = cross_device_utils.CollectiveKeys(
         group_key_start=1 + engine.next_collective_key_base())
     options = options or collective_util.Options()
@@ -116,6 +127,10 @@ class Launchers:
     for group_of in (groups.expert_group, groups.expert_data_group):
       for replica in range(groups.data):
         keys.get_group_key([heads[r] for r in group_of(replica)])
+    for column in range(1, columns):
+      for replica in range(groups.data):
+        keys.get_group_key([replicas[r][column]
+                            for r in groups.expert_data_group(replica)])
     self._all_to_all = {}
     self._expert_data = {}
     self._everyone = {}
@@ -129,11 +144,14 @@ class Launchers:
       self._all_to_all[replica] = cross_device_utils.CollectiveReplicaLauncher(
           keys.get_group_key(devices), len(devices), keys, heads[replica],
           options)
-    for replica in local_replicas:
-      devices = [heads[r] for r in groups.expert_data_group(replica)]
-      self._expert_data[replica] = cross_device_utils.CollectiveReplicaLauncher(
-          keys.get_group_key(devices), len(devices), keys, heads[replica],
-          options)
+    for column in range(columns):
+      for replica in local_replicas:
+        devices = [replicas[r][column]
+                   for r in groups.expert_data_group(replica)]
+        self._expert_data[replica, column] = (
+            cross_device_utils.CollectiveReplicaLauncher(
+                keys.get_group_key(devices), len(devices), keys,
+                replicas[replica][column], options))
 
   def all_to_all(self, replica):
     """The launcher of `replica`'s expert group."""
@@ -143,9 +161,10 @@ class Launchers:
     """The launcher of the group of every replica."""
     return self._everyone[replica]
 
-  def expert_data(self, replica):
-    """The launcher of `replica`'s expert-data group."""
-    return self._expert_data[replica]
+  def expert_data(self, replica, column=0):
+    """The launcher of `replica`'s expert-data group (on the replica's
+    device `column`)."""
+    return self._expert_data[replica, column]
 
 
 def _check_rank_order(devices):

@@ -16,13 +16,16 @@ from tfpar.expert_parallel import variables as variables_lib
 from tfpar.expert_parallel import whole_experts
 
 
-def adopt(optimizer, context):
+def adopt(optimizer, context, items=None):
   """Makes `optimizer` reduce expert gradients over expert-data groups.
 
   Args:
     optimizer: a Keras optimizer of a model prepared by
       `ExpertParallelStrategy`.
     context: the strategy's `MoEContext` (which variables are experts).
+    items: None, or a function giving the optimizer's variables as saved
+      before the experts' slots are made whole (under expert x tensor,
+      tensor parallelism's logical entries, its split slots whole).
   """
   if getattr(optimizer, "_tfpar_experts_adopted", False):
     return
@@ -41,36 +44,63 @@ def adopt(optimizer, context):
     chosen = set(experts)
     others = [p for i, p in enumerate(pairs) if i not in chosen]
     reduced_others = iter(original(others)) if others else iter(())
-    grads = [tf.convert_to_tensor(pairs[i][0]) for i in experts]
-    summed = iter(comm.sum_over_expert_data_group(
-        grads, context.launchers.expert_data(replica), "experts"))
-    return [(next(summed), v) if i in chosen else next(reduced_others)
+    # Under expert x tensor each tensor column's experts are summed by a
+    # collective of that column's devices.
+    by_column = {}
+    for i in experts:
+      by_column.setdefault(context.column_of(pairs[i][1]), []).append(i)
+    summed = {}
+    for column, indices in by_column.items():
+      grads = [tf.convert_to_tensor(pairs[i][0]) for i in indices]
+      summed.update(zip(indices, comm.sum_over_expert_data_group(
+          grads, context.launchers.expert_data(replica, column), "experts")))
+    return [(summed[i], v) if i in chosen else next(reduced_others)
             for i, (_, v) in enumerate(pairs)]
 
   keras_optimizers.replace_all_reduce_sum_gradients(
       summing, all_reduce_sum_gradients)
-  _install_whole_slot_saving(optimizer, context)
+  _install_whole_slot_saving(optimizer, context, items)
   _checkpoint_whole_slots_once_built(optimizer, context)
   object.__setattr__(optimizer, "_tfpar_experts_adopted", True)
 
 
-def whole_entries(optimizer, context):
-  """The optimizer's variables, each slot of an expert weight as an
-  `ExpertWeight` (whole) view, in the optimizer's order."""
-  prefixes = {weight.variable.path.replace("/", "_") + "_": weight
-              for weight in context.expert_weights()}
-  entries = []
-  for item in optimizer.variables:
-    owner = next((w for p, w in prefixes.items()
-                  if item.name.startswith(p)), None)
-    if owner is None or tuple(item.shape) != tuple(owner.variable.shape):
+def whole_entries(optimizer, context, items=None):
+  """The optimizer's variables (or `items`), each slot of an expert weight
+  as an `ExpertWeight` (whole) view, in the optimizer's order. Under
+  expert x tensor the slots of a weight's tensor columns make one view,
+  where its first column's slot is."""
+  prefixes = {}
+  for weight in context.expert_weights():
+    for column, variable in enumerate(weight.variables):
+      prefixes[variable.path.replace("/", "_") + "_"] = (weight, column)
+  items = optimizer.variables if items is None else items
+  groups, entries = {}, []
+  for item in items:
+    name = getattr(item, "name", "")
+    owner = next(((w, c, name[len(p):]) for p, (w, c) in prefixes.items()
+                  if name.startswith(p)), None)
+    if owner is None or tuple(item.shape) != tuple(owner[0].variable.shape):
       entries.append(item)
-    else:
-      entry = variables_lib.ExpertWeight(item.path, item, owner.ranks,
-                                         owner.expert)
-      entry.gather = whole_experts.reader(context, entry)
-      entries.append(entry)
-  return entries
+      continue
+    weight, column, slot_name = owner
+    key = (weight.path, slot_name)
+    if key not in groups:
+      groups[key] = [None] * weight.columns
+      entries.append(key)
+    groups[key][column] = item
+  by_path = {w.path: w for w, _ in prefixes.values()}
+  found = []
+  for entry in entries:
+    if not isinstance(entry, tuple):
+      found.append(entry)
+      continue
+    weight = by_path[entry[0]]
+    slots = groups[entry]
+    view = variables_lib.ExpertWeight(slots[0].path, slots, weight.ranks,
+                                      weight.expert)
+    view.gather = whole_experts.reader(context, view)
+    found.append(view)
+  return found
 
 
 def _checkpoint_whole_slots_once_built(optimizer, context):
@@ -78,9 +108,13 @@ def _checkpoint_whole_slots_once_built(optimizer, context):
 
   def install():
     for entry in whole_entries(optimizer, context):
-      if isinstance(entry, variables_lib.ExpertWeight):
+      if isinstance(entry, variables_lib.ExpertWeight) and (
+          entry.columns == 1):
         variables_lib.checkpoint_whole(entry.variable, entry.ranks,
                                        entry.expert)
+      elif isinstance(entry, variables_lib.ExpertWeight):
+        for slot in entry.variables:
+          variables_lib.refuse_checkpoint(slot)
 
   if optimizer.built:
     install()
@@ -94,6 +128,7 @@ def _checkpoint_whole_slots_once_built(optimizer, context):
   object.__setattr__(optimizer, "build", build_then_install)
 
 
-def _install_whole_slot_saving(optimizer, context):
+def _install_whole_slot_saving(optimizer, context, items=None):
   whole_state.save_whole_state(
-      optimizer, lambda: whole_entries(optimizer, context))
+      optimizer, lambda: whole_entries(
+          optimizer, context, None if items is None else items()))

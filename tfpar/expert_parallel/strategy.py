@@ -1,11 +1,14 @@
 """`ExpertParallelStrategy`: the thin public face of
-`ExpertParallelExtended`."""
+`ExpertParallelExtended` (data-only mesh) and
+`ExpertTensorParallelExtended` (data x tensor mesh)."""
 
 import numbers
 
 from tfpar.engine import strategy as engine_strategy
 from tfpar.expert_parallel import extended as extended_lib
 from tfpar.expert_parallel import groups as groups_lib
+from tfpar.expert_parallel import tensor_extended
+from tfpar.tensor_parallel import plan as plan_lib
 
 
 class ExpertParallelStrategy(engine_strategy.MeshStrategy):
@@ -22,8 +25,18 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
   the `data / expert` replicas that hold them. keras-hub's
   `MixtralBackbone` and `QwenMoeBackbone` are split with no code change.
 
+  On a mesh with a `tensor` axis (expert x tensor), everything but the
+  experts is split over each replica's tensor group as
+  `TensorParallelStrategy` splits it (attention, MLPs, embeddings; `plan`
+  adds rules), and each MoE layer's experts are spread over the
+  `expert x tensor` devices of an expert group: whole experts,
+  num_experts / (expert x tensor) of them per device (Megatron-Core's MoE
+  parallel folding with expert-tensor size 1). `describe(model)` prints
+  how every variable resolved.
+
   Args:
-    mesh: a `tfpar.Mesh` with only a `data` axis (pipeline and tensor 1).
+    mesh: a `tfpar.Mesh` with a `data` axis and optionally a `tensor` axis
+      (pipeline 1).
     expert: replicas per expert group; divides the data size and every MoE
       layer's number of experts.
     capacity_factor: None: every expert takes every token routed to it
@@ -33,12 +46,17 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
       tokens; the rest are dropped (counted by `routing_report`).
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
+    plan: with a tensor axis, a `tfpar.ShardingPlan` (or list of rules)
+      for the weights other than the experts; None: the built-in plans.
 
   Raises:
-    ValueError: a mesh with pipeline or tensor axes, an expert size that
-      does not divide the data size, a bad capacity factor; when the model
-      is built: experts not divisible by `expert`, top-k outside
-      [1, num_experts].
+    ValueError: a mesh with a pipeline axis, an expert size that does not
+      divide the data size, a bad capacity factor, a plan without a tensor
+      axis; when the model is built: experts not divisible by `expert`
+      (`expert x tensor` with a tensor axis), top-k outside
+      [1, num_experts], a layer the tensor plan cannot split (e.g. heads
+      not divisible by the tensor size), clipping by norm with a tensor
+      axis.
 
   Example:
 
@@ -60,10 +78,29 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
   ...       vocabulary_size=64, num_layers=2, num_query_heads=4,
   ...       num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
   ...       num_experts=4, top_k=2)
+
+  On data 2 x tensor 2: attention split by heads over each tensor group,
+  the experts spread over all 4 devices (one per device here):
+
+  >>> import keras
+  >>> devices = tfpar.configure_virtual_cpus(4)  # CPU-only, before TF runs.
+  >>> strategy = tfpar.ExpertParallelStrategy(
+  ...     tfpar.Mesh({"data": 2, "tensor": 2}), expert=2)
+  >>> with strategy.scope():
+  ...   tokens = keras.Input((8,), dtype="int32")
+  ...   x = keras.layers.Embedding(32, 16, name="embed")(tokens)
+  ...   x = x + keras.layers.MultiHeadAttention(2, 8, name="attention")(x, x)
+  ...   x = x + tfpar.MoE(num_experts=4, intermediate_dim=32, name="moe")(x)
+  ...   model = keras.Model(tokens, keras.layers.Dense(32, name="head")(x))
+  >>> lines = strategy.describe(model, print_fn=None).splitlines()
+  >>> print(lines[11].split("  ")[0], "|", lines[11].split("  ")[-1])
+  moe/block/experts/gate_kernel | 0: CPU:0 | 1: CPU:1 | 2: CPU:2 | 3: CPU:3
+  >>> print(lines[-4])
+  split over the expert group x tensor (experts): 73.6% (6,144 of 8,352)
   """
 
   def __init__(self, mesh=None, expert=2, capacity_factor=None,
-               communication_options=None):
+               communication_options=None, plan=None):
     if capacity_factor is not None and (
         isinstance(capacity_factor, bool) or
         not isinstance(capacity_factor, numbers.Real) or
@@ -73,22 +110,48 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
           f"number. Received: capacity_factor={capacity_factor!r}")
     self._expert = expert
     self._capacity_factor = capacity_factor
+    self._plan = None if plan is None else plan_lib.as_plan(plan)
     super().__init__(mesh, communication_options)
 
   def _check_mesh(self, mesh):
-    for axis in ("pipeline", "tensor"):
-      if mesh.shape[axis] != 1:
-        raise ValueError(
-            f"ExpertParallelStrategy splits experts over the 'data' axis "
-            f"and does not combine with {axis} parallelism yet; the mesh "
-            f"has {axis}={mesh.shape[axis]}. Put every device on 'data' "
-            f"(e.g. tfpar.Mesh({{'data': {mesh.size}}})).")
+    if mesh.shape["pipeline"] != 1:
+      raise ValueError(
+          f"ExpertParallelStrategy does not combine with pipeline "
+          f"parallelism yet; the mesh has pipeline="
+          f"{mesh.shape['pipeline']}. Use data (and tensor) axes only "
+          f"(e.g. tfpar.Mesh({{'data': {mesh.size}}})).")
+    if mesh.shape["tensor"] == 1 and self._plan is not None:
+      raise ValueError(
+          f"plan= lays out weights over the 'tensor' axis, which this mesh "
+          f"does not have (tensor=1). Received: plan={self._plan!r}")
     groups_lib.check_expert_size(self._expert, mesh.num_replicas)
 
   def _make_extended(self, mesh, communication_options):
+    if mesh.shape["tensor"] > 1:
+      return tensor_extended.ExpertTensorParallelExtended(
+          self, mesh, self._expert, self._capacity_factor,
+          plan_lib.as_plan(self._plan), communication_options)
     return extended_lib.ExpertParallelExtended(
         self, mesh, self._expert, self._capacity_factor,
         communication_options)
+
+  @property
+  def plan(self):
+    """The `tfpar.ShardingPlan` of the weights other than the experts on
+    a mesh with a tensor axis (None without one)."""
+    if self.mesh.shape["tensor"] == 1:
+      return None
+    return self.extended.plan
+
+  def describe(self, model, print_fn=print):
+    """Prints how every variable of `model` is laid out on a mesh with a
+    tensor axis (see `ShardingPlan.describe`): the experts' rows give the
+    devices of each expert slot."""
+    if self.mesh.shape["tensor"] == 1:
+      raise ValueError(
+          "describe() prints a data x tensor layout; this mesh has no "
+          "tensor axis (every weight but the experts is replicated).")
+    return self.plan.describe(model, self, print_fn=print_fn)
 
   @property
   def expert(self):

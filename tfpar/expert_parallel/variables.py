@@ -8,9 +8,15 @@ next to it, and `extended.update` applies each replica's own (reduced)
 gradient to its own component, so the experts of different ranks train
 apart while replicas of the same rank stay equal.
 
+Under expert x tensor the weight becomes one such variable per tensor
+column k, of shape [E / (expert * tensor), ...], on the k-th device of
+every replica (`split_expert_weight`'s `column_scopes`).
+
 `ExpertWeight` is the whole weight: it reads and assigns the [E, ...]
 tensor, which `tfpar.logical_weights` and `save_weights` use.
 """
+
+import contextlib
 
 import keras
 import numpy as np
@@ -29,9 +35,15 @@ class ExpertWeight:
 
   Args:
     path: the original weight's path.
-    variable: the Keras variable of the local experts.
-    ranks: the expert rank of each of its components (local replicas).
+    variables: the Keras variable of the local experts, or under
+      expert x tensor one per tensor column (variable k on the k-th device
+      of every replica).
+    ranks: the expert rank of each of their components (local replicas).
     expert: the expert-group size.
+
+  The experts are split into `expert x columns` equal slots, rank-major:
+  the component of column k on a replica of expert rank j holds slot
+  `j * columns + k`.
 
   Example:
 
@@ -40,9 +52,11 @@ class ExpertWeight:
   (2, 3)
   """
 
-  def __init__(self, path, variable, ranks, expert):
+  def __init__(self, path, variables, ranks, expert):
     self.path = path
-    self.variable = variable
+    if not isinstance(variables, (list, tuple)):
+      variables = [variables]
+    self.variables = tuple(variables)
     self._ranks = tuple(ranks)
     self._expert = expert
     # Reads the whole weight when some ranks live on other workers (a
@@ -50,9 +64,18 @@ class ExpertWeight:
     self.gather = None
 
   @property
+  def variable(self):
+    """The variable of the first (or only) column."""
+    return self.variables[0]
+
+  @property
+  def columns(self):
+    return len(self.variables)
+
+  @property
   def shape(self):
     local = tuple(self.variable.shape)
-    return (local[0] * self._expert,) + local[1:]
+    return (local[0] * self._expert * self.columns,) + local[1:]
 
   ranks = property(lambda self: self._ranks)
   expert = property(lambda self: self._expert)
@@ -61,48 +84,72 @@ class ExpertWeight:
   name = property(lambda self: self.path.split("/")[-1])
 
   def components_by_rank(self):
-    """{expert rank: the first local component holding its experts}."""
+    """{expert rank: the first local component holding its experts} (of
+    the first column)."""
+    return {rank: parts[0] for rank, parts in self._parts_by_rank().items()}
+
+  def _parts_by_rank(self):
+    """{expert rank: [its component of each column]}."""
     found = {}
-    for rank, component in zip(self._ranks, components(self.variable)):
-      found.setdefault(rank, component)
+    columns = [components(v) for v in self.variables]
+    for position, rank in enumerate(self._ranks):
+      found.setdefault(rank, [parts[position] for parts in columns])
     return found
 
   def spans_workers(self):
     """Whether some expert ranks live on other workers only."""
-    return len(self.components_by_rank()) < self._expert
+    return len(self._parts_by_rank()) < self._expert
+
+  def _missing(self):
+    return sorted(set(range(self._expert)) - set(self._parts_by_rank()))
 
   def numpy(self):
     """The whole weight; when some ranks live on other workers, gathered
     from every worker (each must read the same weights in the same
     order)."""
-    by_rank = self.components_by_rank()
-    missing = sorted(set(range(self._expert)) - set(by_rank))
+    missing = self._missing()
     if missing and self.gather is not None:
       return self.gather()
     if missing:
       raise ValueError(
           f"Expert weight {self.path!r}: the experts of rank(s) {missing} "
           f"live on other workers, so the whole weight cannot be read here.")
+    by_rank = self._parts_by_rank()
     return np.concatenate(
-        [np.asarray(by_rank[r].numpy()) for r in range(self._expert)], 0)
+        [np.asarray(part.numpy()) for r in range(self._expert)
+         for part in by_rank[r]], 0)
+
+  def whole_tensor(self):
+    """The whole weight as one tensor (every rank on this worker)."""
+    missing = self._missing()
+    if missing:
+      raise ValueError(
+          f"Expert weight {self.path!r}: the experts of rank(s) {missing} "
+          f"live on other workers (the expert groups span workers).")
+    by_rank = self._parts_by_rank()
+    return tf.concat([tf.convert_to_tensor(part) for r in range(self._expert)
+                      for part in by_rank[r]], 0)
 
   def assign(self, value):
-    """Sets the whole weight: each component takes its rank's experts."""
+    """Sets the whole weight: each component takes its slot's experts."""
     value = np.asarray(value)
     if tuple(value.shape) != self.shape:
       raise ValueError(f"Cannot assign a value of shape {value.shape} to "
                        f"expert weight {self.path!r} of shape {self.shape}.")
-    pieces = np.split(value, self._expert, axis=0)
-    for rank, component in zip(self._ranks, components(self.variable)):
-      component.assign(pieces[rank])
+    pieces = np.split(value, self._expert * self.columns, axis=0)
+    for column, variable in enumerate(self.variables):
+      for rank, component in zip(self._ranks, components(variable)):
+        component.assign(pieces[rank * self.columns + column])
 
   def __repr__(self):
+    tensor = f" x tensor={self.columns}" if self.columns > 1 else ""
     return (f"<ExpertWeight path={self.path} shape={self.shape} "
-            f"split over expert={self._expert}>")
+            f"split over expert={self._expert}{tensor}>")
 
 
-def split_expert_weight(variable, ranks, expert):
-  """A variable holding `variable`'s experts of each local replica's rank.
+def split_expert_weight(variable, ranks, expert, column_scopes=None):
+  """A variable holding `variable`'s experts of each local replica's rank
+  (one per tensor column under expert x tensor).
 
   Call in the strategy's scope, outside any replica context.
 
@@ -110,9 +157,13 @@ def split_expert_weight(variable, ranks, expert):
     variable: the built layer's Keras variable [num_experts, ...].
     ranks: the expert rank of each local replica, in replica order.
     expert: the expert-group size.
+    column_scopes: None (the variable lives on the replica heads), or one
+      context per tensor column that places new variables on that column's
+      device of every replica; the experts are then split into
+      `expert x len(column_scopes)` slots (rank-major).
 
   Returns:
-    An `ExpertWeight` whose `variable` replaces `variable` in its layer.
+    An `ExpertWeight` whose `variables` replace `variable` in its layer.
   """
   if getattr(variable, "regularizer", None) is not None:
     # Each rank's replicas would add its experts' term to a loss averaged
@@ -124,27 +175,57 @@ def split_expert_weight(variable, ranks, expert):
         f"train without an expert axis.")
   piece_terms.check_splittable(variable, 0)  # Its constraint.
   whole = np.asarray(variable.numpy())
-  pieces = np.split(whole, expert, axis=0)
-  with tf.init_scope():
-    local = keras.Variable(pieces[ranks[0]], dtype=variable.dtype,
-                           trainable=variable.trainable,
-                           name=f"{variable.name}_experts")
-    keras_layers.set_path(local, f"{variable.path}_experts")
-    parts = components(local)
-    if len(parts) != len(ranks):
-      raise ValueError(
-          f"Expert weight {variable.path!r} got {len(parts)} component(s) for "
-          f"{len(ranks)} local replica(s).")
-    for rank, component in zip(ranks, parts):
-      component.assign(pieces[rank])
-  piece_terms.carry_over(variable, [local])
-  weight = ExpertWeight(variable.path, local, ranks, expert)
-  checkpoint_whole(local, ranks, expert)
-  # Keras's get_weights / set_weights speak whole weights
-  # (`tfpar.common.whole_weights`): the local variable is the one
-  # "shard" of its whole weight.
-  local._tfpar_shard_of = (weight, 0)  # pylint: disable=protected-access
+  storage = keras_layers.storage(variable)
+  if hasattr(storage, "release"):  # Created spread (tensor parallelism).
+    storage.release()
+  columns = 1 if column_scopes is None else len(column_scopes)
+  pieces = np.split(whole, expert * columns, axis=0)
+  made = []
+  for column in range(columns):
+    suffix = "_experts" if column_scopes is None else f"_experts{column}"
+    scope = (contextlib.nullcontext() if column_scopes is None
+             else column_scopes[column])
+    with tf.init_scope(), scope:
+      local = keras.Variable(pieces[ranks[0] * columns + column],
+                             dtype=variable.dtype,
+                             trainable=variable.trainable,
+                             name=f"{variable.name}{suffix}")
+      keras_layers.set_path(local, f"{variable.path}{suffix}")
+      parts = components(local)
+      if len(parts) != len(ranks):
+        raise ValueError(
+            f"Expert weight {variable.path!r} got {len(parts)} component(s) "
+            f"for {len(ranks)} local replica(s).")
+      for rank, component in zip(ranks, parts):
+        component.assign(pieces[rank * columns + column])
+    made.append(local)
+  piece_terms.carry_over(variable, made)
+  weight = ExpertWeight(variable.path, made, ranks, expert)
+  for column, local in enumerate(made):
+    if column_scopes is None:
+      checkpoint_whole(local, ranks, expert)
+    else:
+      refuse_checkpoint(local)
+    # Keras's get_weights / set_weights speak whole weights
+    # (`tfpar.common.whole_weights`): the local variables are the
+    # "shards" of their whole weight.
+    local._tfpar_shard_of = (weight, column)  # pylint: disable=protected-access
   return weight
+
+
+def refuse_checkpoint(variable):
+  """Makes `tf.train.Checkpoint` refuse `variable`, one tensor column's
+  experts under expert x tensor (saving it alone would write a part of a
+  weight under the whole weight's key)."""
+
+  def refuse(*unused):
+    raise ValueError(
+        f"tf.train.Checkpoint cannot save or restore expert weight "
+        f"{variable.path!r} under expert x tensor parallelism yet. Use "
+        f"model.save_weights / model.save or tfpar.save_weights, which "
+        f"write whole weights.")
+
+  checkpointing.override_saved_tensors(variable, refuse, refuse)
 
 
 def checkpoint_whole(variable, ranks, expert):
@@ -189,7 +270,8 @@ def replace(owner, variable, weight):
   for store in keras_layers.variable_lists(owner):
     for position, item in enumerate(store):
       if item is variable:
-        store[position] = weight.variable
+        store[position:position + 1] = list(weight.variables)
+        break
   for attribute, value in list(vars(owner).items()):
     if value is variable:
       object.__setattr__(owner, attribute, weight.variable)

@@ -15,42 +15,59 @@ class Coverage:
   Attributes:
     split: {path: elements} of the weights split over the tensor axis.
     replicated: {path: elements} of the weights every replica holds whole.
+    elsewhere: {path: elements} of the weights another parallelism splits
+      (the experts of MoE layers under expert x tensor).
   """
   split: dict
   replicated: dict
+  elsewhere: dict = dataclasses.field(default_factory=dict)
+
+  def _total(self):
+    return sum(sum(d.values()) for d in (self.split, self.replicated,
+                                          self.elsewhere))
 
   @property
   def fraction_split(self):
-    """The fraction of all parameters (elements) that is split."""
-    total = sum(self.split.values()) + sum(self.replicated.values())
+    """The fraction of all parameters (elements) split over the tensor
+    axis."""
+    total = self._total()
     return sum(self.split.values()) / total if total else 0.0
 
   def summary(self):
-    """Two lines: the fraction split, then what stays replicated."""
+    """Two lines (three with `elsewhere`): the fraction split, what
+    another parallelism splits, then what stays replicated."""
     split = sum(self.split.values())
-    total = split + sum(self.replicated.values())
+    total = self._total()
     kept = sorted(self.replicated.items(), key=lambda item: -item[1])
-    return (f"split over the tensor axis: {self.fraction_split:.1%} of the "
-            f"parameters ({split:,} of {total:,})\n"
-            f"replicated ({len(kept)}): " +
-            (", ".join(f"{path} ({count:,})" for path, count in kept)
-             or "nothing"))
+    lines = [f"split over the tensor axis: {self.fraction_split:.1%} of the "
+             f"parameters ({split:,} of {total:,})"]
+    if self.elsewhere:
+      other = sum(self.elsewhere.values())
+      lines.append(f"split over the expert group x tensor (experts): "
+                   f"{other / total:.1%} ({other:,} of {total:,})")
+    lines.append(f"replicated ({len(kept)}): " +
+                 (", ".join(f"{path} ({count:,})" for path, count in kept)
+                  or "nothing"))
+    return "\n".join(lines)
 
 
-def coverage(weights, layer_layouts):
+def coverage(weights, layer_layouts, elsewhere=()):
   """The `Coverage` of a model under resolved `layer_layouts`.
 
   Args:
     weights: (path, full shape) of every logical weight of the model.
     layer_layouts: the `LayerLayout`s the plan resolved.
+    elsewhere: paths of weights another parallelism splits.
   """
   split_paths = {v.path for layout in layer_layouts for v in layout.variables
                  if v.axis is not None}
-  split, replicated = {}, {}
+  elsewhere = set(elsewhere)
+  split, replicated, other = {}, {}, {}
   for path, shape in weights:
-    (split if path in split_paths else replicated)[path] = int(
-        np.prod(shape))
-  return Coverage(split, replicated)
+    found = (other if path in elsewhere else
+             split if path in split_paths else replicated)
+    found[path] = int(np.prod(shape))
+  return Coverage(split, replicated, other)
 
 
 def check_large_replicated(model, found, user, owner):

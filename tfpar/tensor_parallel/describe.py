@@ -35,9 +35,13 @@ def describe(plan, model, strategy):
         f"describe needs a tfpar.TensorParallelStrategy; model {model.name!r} "
         f"has {strategy!r}. Pass strategy=.")
   tensor_size = mesh.shape["tensor"]
+  # Weights another parallelism splits (experts under expert x tensor):
+  # {path: (style, shard shape, devices)}.
+  elsewhere = getattr(strategy.extended, "describe_elsewhere",
+                      lambda model: {})(model)
   layer_layouts = getattr(model, "_tfpar_layouts", None)
   if layer_layouts is None:
-    layer_layouts = plan.resolve(model, tensor_size)
+    layer_layouts = plan.resolve(model, tensor_size, elsewhere)
   by_path = {v.path: v for layout in layer_layouts for v in layout.variables}
   groups = mesh.replicas
   multi = mesh.is_multi_worker
@@ -46,6 +50,9 @@ def describe(plan, model, strategy):
   from tfpar.common import split_weights  # pylint: disable=g-import-not-at-top
   paths = list(split_weights.logical_weights_paths(model))
   for path, shape in paths:
+    if path in elsewhere:
+      rows.append((path, str(tuple(shape))) + tuple(elsewhere[path]))
+      continue
     layout = by_path.get(path)
     first = stage_of.get(path.split("/")[0], 0) * tensor_size
     if layout is None or layout.axis is None:
@@ -65,7 +72,8 @@ def describe(plan, model, strategy):
   lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
            for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
-  lines.append(coverage_lib.coverage(paths, layer_layouts).summary())
+  lines.append(coverage_lib.coverage(paths, layer_layouts,
+                                     elsewhere).summary())
   if stage_of:
     lines.append(
         f"mesh: data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} "

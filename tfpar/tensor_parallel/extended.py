@@ -75,6 +75,12 @@ class TensorParallelExtended(engine_extended.MeshExtended):
         getattr(model, "optimizer", None) is not None):
       optimizer_lib.adopt(model.optimizer, model)
 
+  def laid_out_elsewhere(self, model):
+    """Paths of `model`'s weights another parallelism lays out (left
+    spread by `shard_model`); none here."""
+    del model
+    return frozenset()
+
   def shard_model(self, model):
     """Applies the plan to a built model: splits its variables and makes
     its sharded layers compute tensor-parallel."""
@@ -92,19 +98,21 @@ class TensorParallelExtended(engine_extended.MeshExtended):
       object.__setattr__(model, "_tfpar_layouts", already)
       whole_weights.install(model)
       return
+    elsewhere = self.laid_out_elsewhere(model)
     layer_layouts = plan_lib.as_plan(self._plan).resolve(
-        model, self.tensor_size)
+        model, self.tensor_size, elsewhere)
     # Replicated weights first: until then every device holds 1/tensor of
     # them, more than its final share (none, off the head).
     split = {v.path for layout in layer_layouts for v in layout.variables
              if v.axis is not None}
     for variable in spread.pending_weights(model):
-      if variable.path not in split:
+      if variable.path not in split and variable.path not in elsewhere:
         spread.materialize(variable, self._container_strategy())
     shard_layers(self, layer_layouts, self.tensor_size,
                  sequence_parallel=self._sequence_parallel)
-    for variable in spread.pending_weights(model):  # None should be left.
-      spread.materialize(variable, self._container_strategy())
+    for variable in spread.pending_weights(model):  # Only `elsewhere` left.
+      if variable.path not in elsewhere:
+        spread.materialize(variable, self._container_strategy())
     if self._sequence_parallel:
       sequence_lib.install(model, self.current_group)
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)

@@ -97,12 +97,14 @@ class ShardingPlan:
             + ", ".join(v.path for v in model.weights))
     return matches
 
-  def resolve(self, model, tensor_size):
+  def resolve(self, model, tensor_size, elsewhere=()):
     """The `LayerLayout` of every sharded layer of a built model.
 
     Args:
       model: a built Keras model (not yet sharded).
       tensor_size: the size of the mesh's `tensor` axis.
+      elsewhere: paths of weights another parallelism splits (experts
+        under expert x tensor): not replicated, so never refused as such.
 
     Returns:
       A tuple of `tfpar.tensor_parallel.layouts.LayerLayout`, one per layer
@@ -133,7 +135,8 @@ class ShardingPlan:
     if self._builtin:
       coverage_lib.check_large_replicated(
           model, coverage_lib.coverage(
-              ((v.path, v.shape) for v in model.weights), resolved), user,
+              ((v.path, v.shape) for v in model.weights), resolved,
+              elsewhere), user,
           lambda path: _owner_class(model, path))
     return tuple(layout for layout in resolved if layout.is_sharded)
 

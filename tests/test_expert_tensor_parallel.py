@@ -1,0 +1,177 @@
+"""Expert x tensor parallelism: `tfpar.ExpertParallelStrategy` on a
+data 2 x tensor 2 mesh, keras-hub's Mixtral and Qwen-MoE against one
+device.
+
+Attention, MLPs and embeddings are split over the tensor axis as
+`TensorParallelStrategy` splits them; each MoE layer's experts are spread
+over the expert x tensor devices of an expert group, whole experts on each
+device. Expert bytes per device are counted from every TensorFlow variable
+as it is constructed and released (tests/variable_accounting.py), not from
+tfpar's bookkeeping.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import test_expert_parallel as ep
+import tfpar
+from variable_accounting import VariableAccounting
+
+MESH = {"data": 2, "tensor": 2}
+
+
+def strategy(expert=2, **kwargs):
+  return tfpar.ExpertParallelStrategy(tfpar.Mesh(MESH), expert=expert,
+                                      **kwargs)
+
+
+class ExpertAccounting(VariableAccounting):
+  """Live bytes per device of the expert weights and their slots only
+  (TensorFlow variables whose name names an expert bank's weight)."""
+
+  def _record(self, variable):
+    if "expert_feedforward" in variable.name:
+      super()._record(variable)
+
+
+def whole_expert_bytes(reference):
+  return sum(int(np.prod(v.shape)) * 4 for v in reference.weights
+             if "/experts/" in v.path)
+
+
+@pytest.fixture(scope="module")
+def mixtral_sgd():
+  reference = ep.train("mixtral", "sgd")
+  accounting = ExpertAccounting()
+  layout = strategy(expert=2)
+  with accounting.counting():
+    trained = ep.train("mixtral", "sgd", layout)
+  return reference, trained, layout, accounting
+
+
+def test_mixtral_expert2_tensor2_trains_as_one_device(mixtral_sgd, tmp_path):
+  (reference, reference_losses), (model, losses), layout, _ = mixtral_sgd
+  np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
+  assert ep.max_weight_difference(model, reference) < 1e-5
+  ours, theirs = model.get_weights(), reference.get_weights()
+  assert [w.shape for w in ours] == [w.shape for w in theirs]
+  assert max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)) < 1e-5
+  np.testing.assert_allclose(model.evaluate(ep.dataset(), verbose=0),
+                             reference.evaluate(ep.dataset(), verbose=0),
+                             atol=1e-5)
+  model.save_weights(tmp_path / "etp.weights.h5")
+  single = ep.language_model("mixtral")
+  single.load_weights(tmp_path / "etp.weights.h5")
+  assert ep.max_weight_difference(single, model) == 0.0
+  # Every assignment of every step (training, then evaluation) routed,
+  # none dropped.
+  assert all(v == (0, 2 * ep.BATCH * ep.SEQUENCE * ep.STEPS * ep.TOP_K)
+             for v in layout.routing_report().values())
+
+
+def test_each_device_holds_a_quarter_of_the_experts(mixtral_sgd):
+  (reference, _), (model, _), layout, accounting = mixtral_sgd
+  whole = whole_expert_bytes(reference)
+  assert whole == 196_608
+  live = accounting.now()
+  # The experts and their momentum, 1/(expert x tensor) of each per device.
+  assert live == {f"CPU:{d}": 2 * whole // 4 for d in range(4)}, live
+  # While the model was built a device held at most the creation-time
+  # slices (1/tensor of every expert weight) plus one weight's experts.
+  largest = 4 * 64 * 32 * 4
+  assert all(peak <= whole // 2 + largest for peak in accounting.peak.values())
+  text = layout.describe(model, print_fn=None)
+  rows = [line for line in text.splitlines() if "/experts/" in line]
+  assert len(rows) == 6
+  assert all("Experts axis 0 (expert 2 x tensor 2)" in row and
+             "0: CPU:0 | 1: CPU:1 | 2: CPU:2 | 3: CPU:3" in row
+             for row in rows), rows
+  assert "split over the expert group x tensor (experts): 82.2%" in text
+
+
+def test_qwen_moe_expert2_tensor2_trains_as_one_device():
+  reference, reference_losses = ep.train("qwen_moe", "sgd")
+  layout = strategy(expert=2)
+  model, losses = ep.train("qwen_moe", "sgd", layout)
+  np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
+  assert ep.max_weight_difference(model, reference) < 1e-5
+  # The shared expert is a tensor-parallel MLP.
+  rows = [line for line in layout.describe(model, print_fn=None).splitlines()
+          if "shared_expert_dense/" in line]
+  assert len(rows) == 6
+  assert all(("RowParallel axis 0" if "output_dense" in row else
+              "ColumnParallel axis 1") in row for row in rows), rows
+
+
+def test_mixtral_expert1_tensor2_adam_trains_as_one_device():
+  # expert 1: the experts are spread over each tensor group alone, and
+  # their gradients summed over both data replicas (per tensor column).
+  reference, reference_losses = ep.train("mixtral", "adam")
+  model, losses = ep.train("mixtral", "adam", strategy(expert=1))
+  np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
+  # Adam divides each gradient by its own running size, so rounding in
+  # near-zero gradients grows (test_expert_parallel.py allows 2e-4 for
+  # expert 4 alone). Measured here 2.9e-4 at expert 2 and the same order
+  # at expert 1; stock MirroredStrategy on 2 CPUs ends 1.5e-3 from one
+  # device on this Mixtral (auxiliary loss off, which it computes per
+  # replica).
+  assert ep.max_weight_difference(model, reference) < 5e-4
+  ours, theirs = {}, {}
+  model.optimizer.save_own_variables(ours)
+  reference.optimizer.save_own_variables(theirs)
+  assert sorted(ours) == sorted(theirs)
+  for key in theirs:
+    assert ours[key].shape == theirs[key].shape
+    np.testing.assert_allclose(ours[key], theirs[key], atol=1e-3)
+
+
+def _attention_moe_model(heads):
+  tokens = keras.Input((8,), dtype="int32")
+  x = keras.layers.Embedding(32, 12)(tokens)
+  x = x + keras.layers.MultiHeadAttention(heads, 4)(x, x)
+  x = x + tfpar.MoE(num_experts=4, intermediate_dim=8)(x)
+  return keras.Model(tokens, keras.layers.Dense(32)(x))
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: ep.language_model("mixtral", num_experts=2),
+     r"num_experts=2 is not divisible by expert x tensor = 2 x 2"),
+    (lambda: _attention_moe_model(heads=3),
+     r"num_heads = 3 is not divisible by the mesh's tensor size 2"),
+])
+def test_bad_models_fail_when_built_before_any_work(build, message):
+  layout = strategy(expert=2)
+  with pytest.raises(ValueError, match=message):
+    with layout.scope():
+      build()
+
+
+@pytest.mark.parametrize("mesh, kwargs, message", [
+    ({"data": 2, "tensor": 2}, dict(expert=3),
+     r"expert=3 does not divide the mesh's data size 2"),
+    ({"data": 2, "pipeline": 2}, dict(expert=2),
+     r"does not combine with pipeline parallelism yet; the mesh has "
+     r"pipeline=2"),
+    ({"data": 4}, dict(expert=2, plan=[("x", tfpar.Replicate())]),
+     r"plan= lays out weights over the 'tensor' axis"),
+])
+def test_bad_settings_fail_before_any_work(mesh, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    tfpar.ExpertParallelStrategy(tfpar.Mesh(mesh), **kwargs)
+
+
+def test_unsupported_paths_are_refused(tmp_path):
+  layout = strategy(expert=2)
+  with pytest.raises(ValueError, match="clipnorm=1.0: expert x tensor"):
+    with layout.scope():
+      model = _attention_moe_model(heads=2)
+      model.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0),
+                    loss="mse")
+  with strategy(expert=2).scope():
+    model = _attention_moe_model(heads=2)
+  checkpoint = tf.train.Checkpoint(model=model)
+  with pytest.raises(ValueError, match="under expert x tensor parallelism "
+                     "yet"):
+    checkpoint.save(str(tmp_path / "ckpt"))
