@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfpar
+from tfpar.common import whole_weights
 
 VOCAB = 64
 SEQUENCE = 8
@@ -97,7 +98,7 @@ def bytes_by_device(model, prefix=""):
   ZeRO slice) whose path starts with `prefix`, counted from the per-device
   tf.Variables that hold them."""
   found = collections.Counter()
-  for variable in model.weights:
+  for variable in whole_weights.held(model):  # Shards, not whole weights.
     if not variable.path.startswith(prefix):
       continue
     value = variable._value  # pylint: disable=protected-access

@@ -58,6 +58,13 @@ def test_trains_like_one_device(references, name, layout):
   for path in expected:
     np.testing.assert_allclose(actual[path], expected[path], atol=1e-5,
                                rtol=0, err_msg=path)
+  # Keras's own list reads the same whole weights, in one device's order.
+  assert [w.path for w in model.weights] == [w.path for w in
+                                              reference.weights]
+  for got, want in zip(model.weights, reference.weights):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0,
+                               err_msg=want.path)
+  assert model.count_params() == reference.count_params()
   x, y = tp_common.data(name, count=20, seed=7)  # 20: an uneven last batch.
   np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0),
                              reference.predict(x, batch_size=8, verbose=0),

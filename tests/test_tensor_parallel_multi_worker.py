@@ -38,16 +38,18 @@ def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path):
       np.testing.assert_allclose(result["weights"][path], value, atol=1e-5,
                                  err_msg=path)
   assert results[0]["weights"] == results[1]["weights"]
-  # Keras's weight API in whole weights across workers: get_weights gives
-  # one device's arrays (count, order, shapes, values); set_weights takes
+  # Keras's weight API in whole weights across workers: get_weights and
+  # the numpy values of model.weights give one device's arrays (count,
+  # order, shapes, values), count_params its count; set_weights takes
   # them (predictions of a fresh seed-9 GPT's weights).
   fresh = tp_common.gpt(seed=9)
   for result in results:
-    got = result["get_weights"]
-    assert [np.shape(w) for w in got] == [
-        w.shape for w in reference.get_weights()]
-    for ours, theirs in zip(got, reference.get_weights()):
-      np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    for got in (result["get_weights"], result["weights_numpy"]):
+      assert [np.shape(w) for w in got] == [
+          w.shape for w in reference.get_weights()]
+      for ours, theirs in zip(got, reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    assert result["count_params"] == reference.count_params()
     np.testing.assert_allclose(result["predict_after_set_weights"],
                                fresh.predict(px, verbose=0), atol=1e-5)
 

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Dict
 
 from tfpar._compat import keras_layers
+from tfpar._compat import keras_weights_view
 from tfpar._compat.tf_modules import values_lib
 from tfpar.engine import spread
 
@@ -82,7 +83,8 @@ def memory_report(model):
   40
   """
   parameters = collections.Counter()
-  for variable in model.weights:
+  # The variables held (tensor shards), not `model.weights`' whole views.
+  for variable in keras_weights_view.held_weights(model):
     for component in components(variable):
       parameters[component.device] += _nbytes(component)
   optimizer = collections.Counter()

@@ -3,7 +3,8 @@
 Trains tp_common's GPT under TensorParallelStrategy (tensor 2 inside each
 worker, data across workers) and writes what the worker saw to
 `<out_dir>/worker<i>.json`; the chief also saves the weights. Then each
-worker reads `model.get_weights()` and sets the weights of a fresh
+worker reads `model.get_weights()`, the numpy values of `model.weights` and
+`count_params()`, and sets the weights of a fresh
 one-device GPT (seed 9) with `set_weights`, and records its predictions.
 
 Usage: tp_worker.py OUT_DIR
@@ -29,6 +30,8 @@ def main():
   if mesh.cluster.is_chief:
     model.save_weights(os.path.join(out_dir, "weights.weights.h5"))
   result["get_weights"] = [w.tolist() for w in model.get_weights()]
+  result["weights_numpy"] = [w.numpy().tolist() for w in model.weights]
+  result["count_params"] = model.count_params()
   model.set_weights(tp_common.gpt(seed=9).get_weights())
   px, _ = tp_common.data("gpt", count=20, seed=7)
   result["predict_after_set_weights"] = model.predict(

@@ -1,4 +1,5 @@
 """What several parallelisms share (no parallelism imports another's
 internals): `instrument` (communication logs), `split_weights` (weights
-held in pieces, seen and saved whole), `whole_weights` (get/set_weights
-of whole weights), `clipping` (norms of whole weights)."""
+held in pieces, seen and saved whole), `whole_weights` (Keras's
+`weights`, get/set_weights and count_params in whole weights), `clipping`
+(norms of whole weights)."""

@@ -69,8 +69,10 @@ class ShardedWeight(LogicalTensor):
   """The logical (whole) view of one weight split over the `tensor` axis.
 
   Shard `k` is a Keras variable on the k-th device of every replica. Reading
-  the whole weight (`numpy()`, `value`) concatenates the shards; `assign`
-  splits a whole value into them. Layers compute with the shards directly.
+  the whole weight (`numpy()`, `value`, `np.asarray`, `tf.convert_to_tensor`)
+  concatenates the shards; `assign` splits a whole value into them. Layers
+  compute with the shards directly. `model.weights` and `layer.weights` list
+  it where its shards are held (`tfpar.common.whole_weights`).
 
   Args:
     layout: its `VariableLayout`.
@@ -97,14 +99,29 @@ class ShardedWeight(LogicalTensor):
   trainable = property(lambda self: self.shards[0].trainable)
   name = property(lambda self: self.layout.path.split("/")[-1])
 
+  ndim = property(lambda self: len(self.layout.shape))
+
   @property
   def value(self):
     """The whole weight as one tensor (a gather of the shards)."""
     return self._serialize_to_tensors()[VARIABLE_VALUE]
 
+  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
+    """`np.asarray(weight)`: the whole weight (a new array)."""
+    return self.numpy() if dtype is None else self.numpy().astype(dtype)
+
   def __repr__(self):
     return (f"<ShardedWeight path={self.path} shape={self.shape} "
             f"{self.layout.style} axis={self.axis} shards={len(self.shards)}>")
+
+
+def _as_tensor(value, dtype=None, name=None, as_ref=False):  # pylint: disable=unused-argument
+  return value.value  # TensorFlow checks `dtype` against it, as for a tensor.
+
+
+# `tf.convert_to_tensor(weight)` and Keras ops read a whole weight listed in
+# `model.weights` as they read a variable.
+tf.register_tensor_conversion_function(ShardedWeight, _as_tensor)
 
 
 def record_logical_weight(owner, variable, weight):

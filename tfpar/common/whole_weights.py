@@ -2,28 +2,84 @@
 
 A split weight is held as shard variables, which take its place in its
 layer's variable lists (so the optimizer updates the shards). Keras's
-`get_weights()` / `set_weights()` read those lists, so they would list
-shards: 30 arrays where one device has 19. `install` gives the model and
-every layer holding shards a `get_weights` / `set_weights` that speak the
-whole weights, in exactly the count, order and shapes one device has.
+`weights`, `get_weights()` / `set_weights()` and `count_params()` read
+those lists, so they would list shards: 30 arrays where one device has 19.
+`install` makes them speak whole weights, in exactly the count, order and
+shapes one device has, on the model and on every layer holding shards:
+
+- `weights` lists each split weight's `ShardedWeight` (at the position of
+  its first shard), which reads, assigns and converts as a whole value;
+- `trainable_weights` / `non_trainable_weights`, and `variables` /
+  `trainable_variables` / `non_trainable_variables`, keep listing the
+  variables held (shards), the ones the trainer and the optimizer use.
+
+Expert weights (`tfpar.expert_parallel`) are whole in `get_weights` /
+`set_weights` only; `weights` lists their local variables.
 """
 
 import numpy as np
 
 from tfpar._compat import keras_layers
+from tfpar._compat import keras_weights_view
+from tfpar.common.split_weights import ShardedWeight
 
 
-def whole(variables):
-  """`variables` with each group of shards replaced by its whole
-  `ShardedWeight`, at the position of its first shard."""
+def whole(variables, kinds=None):
+  """`variables` with each group of pieces replaced by its whole weight,
+  at the position of its first piece.
+
+  Args:
+    variables: a list of Keras variables, some of them pieces of a weight
+      (tensor shards, local experts).
+    kinds: None for every kind of piece, or a class: only pieces of whole
+      weights of that class are replaced (the others stay as they are).
+
+  Returns:
+    The list, whole.
+
+  Example:
+
+  >>> import keras
+  >>> from tfpar.common import whole_weights
+  >>> layer = keras.layers.Dense(2, name="out")
+  >>> layer.build((None, 3))
+  >>> [v.path for v in whole_weights.whole(layer.weights)]
+  ['out/kernel', 'out/bias']
+  """
   found = []
   for variable in variables:
     shard_of = getattr(variable, "_tfpar_shard_of", None)
-    if shard_of is None:
+    if shard_of is None or (kinds is not None and
+                            not isinstance(shard_of[0], kinds)):
       found.append(variable)
     elif shard_of[1] == 0:
       found.append(shard_of[0])
   return found
+
+
+def held(layer):
+  """The variables `layer` and its sub-layers hold, in Keras's `weights`
+  order: tensor shards rather than whole weights.
+
+  Args:
+    layer: a Keras layer or model, sharded or not.
+
+  Returns:
+    A list of Keras variables (on an unsharded layer, `layer.weights`).
+
+  Example:
+
+  >>> import keras
+  >>> from tfpar.common import whole_weights
+  >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  >>> [tuple(v.shape) for v in whole_weights.held(model)]
+  [(3, 2), (2,)]
+  """
+  return keras_weights_view.held_weights(layer)
+
+
+def _whole_shards(variables):
+  return whole(variables, ShardedWeight)
 
 
 def _get_weights(layer):
@@ -53,13 +109,37 @@ def _set_weights(layer):
 
 
 def install(model):
-  """Makes `get_weights` / `set_weights` of `model` and of its layers that
-  hold shards give and take whole weights.
+  """Makes Keras's weight API of `model` and of its layers that hold
+  pieces of weights give and take whole weights: `get_weights` /
+  `set_weights` (tensor shards and experts), and `weights` /
+  `count_params` (tensor shards).
 
   Args:
-    model: a model whose layers were split (`shard_layers`).
+    model: a model whose layers were split (`shard_layers`, experts).
+
+  Example:
+
+  The strategies call it once they split a model:
+
+  >>> import keras, numpy as np, tfpar
+  >>> from tfpar.common import whole_weights
+  >>> strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"tensor": 2}))
+  >>> with strategy.scope():
+  ...   model = keras.Sequential([keras.Input((4,)),
+  ...                             keras.layers.Dense(8, name="up"),
+  ...                             keras.layers.Dense(4, name="down")])
+  >>> _ = model.predict(np.ones((2, 4)), verbose=0)  # Split by now.
+  >>> [w.numpy().shape for w in model.weights]
+  [(4, 8), (8,), (8, 4), (4,)]
+  >>> [tuple(v.shape) for v in whole_weights.held(model)]
+  [(4, 4), (4, 4), (4,), (4,), (4, 4), (4, 4), (4,)]
+  >>> model.count_params()
+  76
   """
   for layer in keras_layers.flatten_layers(model, include_self=True):
-    if any(hasattr(w, "_tfpar_shard_of") for w in layer.weights):
+    variables = held(layer)
+    if any(hasattr(w, "_tfpar_shard_of") for w in variables):
       object.__setattr__(layer, "get_weights", _get_weights(layer))
       object.__setattr__(layer, "set_weights", _set_weights(layer))
+    if len(_whole_shards(variables)) != len(variables):
+      keras_weights_view.show_weights_as(layer, _whole_shards)
