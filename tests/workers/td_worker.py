@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tfpar  # pylint: disable=g-import-not-at-top
 from tfpar import memory
+from tfpar.common import whole_weights
 import tp_common
 
 MICROBATCHES = 2
@@ -47,8 +48,9 @@ def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage):
   result = tp_common.worker_result(strategy, model, predict_count=16,
                                    callbacks=callbacks)
   result.update({
+      # The variables held (shards), not model.weights' whole weights.
       "devices": {v.path: [c.device for c in memory.components(v)]
-                  for v in model.weights},
+                  for v in whole_weights.held(model)},
       "optimizer_bytes": memory.memory_report(model).optimizer,
       "parameter_bytes": memory.memory_report(model).parameters,
   })

@@ -144,6 +144,11 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
                                               self.tensor_size))
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     whole_weights.install(model)
+    # The stage models are Models of their own over the same layers: their
+    # `trainable_weights` (read for regularization losses) must list the
+    # shards too, not their layers' whole weights.
+    for stage in plan.stages:
+      whole_weights.install(stage.model)
     if getattr(model, "optimizer", None) is not None:
       tensor_parallel_optimizer.adopt(model.optimizer, model)
 
