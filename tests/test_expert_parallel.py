@@ -288,7 +288,7 @@ def test_bad_settings_fail_before_any_work(kwargs, message):
 
 def test_pipeline_axis_is_refused():
   # A tensor axis is expert x tensor (tests/test_expert_tensor_parallel.py).
-  with pytest.raises(ValueError, match="does not combine with pipeline"):
+  with pytest.raises(ValueError, match="For expert x pipeline use tfpar.PipelineParallelStrategy"):
     tfpar.ExpertParallelStrategy(tfpar.Mesh({"data": 2, "pipeline": 2}),
                                  expert=2)
 

@@ -152,8 +152,9 @@ def test_bad_models_fail_when_built_before_any_work(build, message):
     ({"data": 2, "tensor": 2}, dict(expert=3),
      r"expert=3 does not divide the mesh's data size 2"),
     ({"data": 2, "pipeline": 2}, dict(expert=2),
-     r"does not combine with pipeline parallelism yet; the mesh has "
-     r"pipeline=2"),
+     r"the mesh has pipeline=2. For expert x pipeline use "
+     r"tfpar.PipelineParallelStrategy\(mesh, num_microbatches=\.\.\., "
+     r"expert=2\)"),
     ({"data": 4}, dict(expert=2, plan=[("x", tfpar.Replicate())]),
      r"plan= lays out weights over the 'tensor' axis"),
 ])

@@ -26,21 +26,28 @@ class MoEContext:
     extended: the `ExpertParallelExtended`.
     groups: the `ExpertGroups`.
     capacity_factor: None (no token is dropped) or a positive number.
+    columns: devices of a replica that hold each weight's experts.
+    on_column: under expert x tensor, runs experts on a tensor column.
+    stage_columns: the devices of a replica that run MoE blocks: its head
+      (0), or under expert x pipeline every stage's device.
   """
 
   def __init__(self, extended, groups, capacity_factor, columns=1,
-               on_column=None):
+               on_column=None, stage_columns=(0,)):
     self._extended = extended
     self.groups = groups
     self.capacity_factor = capacity_factor
-    # Devices of a replica that hold experts: 1 (its head), or the tensor
-    # size under expert x tensor, where `on_column(k, fn, *inputs)` runs
-    # `fn` forward and backward on the running replica's k-th device.
+    # Devices of a replica that hold a weight's experts: 1 (its head or
+    # its stage's device), or the tensor size under expert x tensor, where
+    # `on_column(k, fn, *inputs)` runs `fn` forward and backward on the
+    # running replica's k-th device.
     self.columns = columns
     self.on_column = on_column
+    self.stage_columns = tuple(stage_columns)
     self._launchers = None
     self._expert_variables = {}  # id of tf variable -> ExpertWeight
-    self._columns_of = {}  # id of tf variable -> its tensor column
+    self._columns_of = {}  # id of tf variable -> its device column
+    self._token_columns = {}  # block path -> the column running it
     self.drop_counters = {}  # block path -> tf.Variable [dropped, routed]
 
   @property
@@ -49,8 +56,14 @@ class MoEContext:
       extended = self._extended
       self._launchers = groups_lib.Launchers(
           self.groups, extended.mesh.replicas, extended.local_replica_ids(),
-          distribute.communication_options(extended), columns=self.columns)
+          distribute.communication_options(extended),
+          columns=max(self.columns, max(self.stage_columns) + 1),
+          token_columns=self.stage_columns)
     return self._launchers
+
+  def token_column(self, block):
+    """The device column of a replica that runs `block` (0: the head)."""
+    return self._token_columns.get(block.path, 0)
 
   def replica_id(self):
     """This strategy's replica id in a replica context, else None."""
@@ -62,19 +75,23 @@ class MoEContext:
     replica = tf.get_static_value(context.replica_id_in_sync_group)
     return None if replica is None else int(replica)
 
-  def register(self, weight):
+  def register(self, weight, block=None, first_column=0):
+    """Records a split `weight` of `block`, whose k-th variable lives on
+    the replicas' device column `first_column + k`."""
+    if block is not None:
+      self._token_columns[block.path] = first_column
     for column, variable in enumerate(weight.variables):
       for key in (id(variable.value), id(keras_layers.storage(variable))):
         self._expert_variables[key] = weight
-        self._columns_of[key] = column
+        self._columns_of[key] = first_column + column
 
   def weight_of(self, variable):
     """The `ExpertWeight` of an expert Keras variable."""
     return self._expert_variables[id(keras_layers.storage(variable))]
 
   def column_of(self, variable):
-    """The tensor column holding an expert tf.Variable (0 without a
-    tensor axis)."""
+    """The device column holding an expert tf.Variable (its tensor column,
+    its pipeline stage's device, else 0)."""
     return self._columns_of.get(id(variable), 0)
 
   def expert_weights(self):
@@ -143,10 +160,18 @@ class ExpertSplitting:
     replicas = self._mesh.replicas
     return [replicas.index(group) for group in self._local_groups]
 
-  def column_scopes(self):
-    """None (experts on the replica heads), or a context per tensor column
+  def column_scopes(self, block):
+    """None (`block`'s experts on the replica heads), or a context per
+    device holding them (per tensor column; its pipeline stage's device)
     placing new variables on that device of every replica."""
+    del block
     return None
+
+  def first_column(self, block):
+    """The device column of every replica that runs `block` (and holds
+    its first `column_scopes`' experts)."""
+    del block
+    return 0
 
   def split_experts(self, model):
     """Splits the experts of every MoE block of a built model.
@@ -182,10 +207,10 @@ class ExpertSplitting:
         for name in family.expert_weight_names:
           variable = getattr(bank, name)
           weight = variables_lib.split_expert_weight(
-              variable, ranks, expert, self.column_scopes())
+              variable, ranks, expert, self.column_scopes(block))
           weight.gather = whole_experts.reader(self._context, weight)
           variables_lib.replace(bank, variable, weight)
-          self._context.register(weight)
+          self._context.register(weight, block, self.first_column(block))
         with tf.init_scope():
           self._context.drop_counters[block.path] = tf.Variable(
               tf.zeros([2]), trainable=False,

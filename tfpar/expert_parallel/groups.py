@@ -109,11 +109,15 @@ class Launchers:
     options: `tf.distribute.experimental.CommunicationOptions`.
     columns: the devices of a replica that hold experts (1: its head; the
       tensor size under expert x tensor, where column k of every replica
-      holds its own experts and has its own expert-data groups).
+      holds its own experts and has its own expert-data groups; the
+      pipeline size under expert x pipeline, stage s's experts on column s).
+    token_columns: the devices of a replica whose tokens meet in
+      all-to-alls (and whose router statistics are summed): its head, or
+      under expert x pipeline each stage's device.
   """
 
   def __init__(self, groups, replicas, local_replicas, options=None,
-               columns=1):
+               columns=1, token_columns=(0,)):
     self._groups = groups
     heads = [group[0] for group in replicas]
     keys = cross_device_utils.CollectiveKeys(
@@ -131,19 +135,29 @@ class Launchers:
       for replica in range(groups.data):
         keys.get_group_key([replicas[r][column]
                             for r in groups.expert_data_group(replica)])
+    for column in token_columns:  # After the heads' (column 0) groups.
+      if column:
+        keys.get_group_key([group[column] for group in replicas])
+        for replica in range(groups.data):
+          keys.get_group_key([replicas[r][column]
+                              for r in groups.expert_group(replica)])
     self._all_to_all = {}
     self._expert_data = {}
     self._everyone = {}
-    for replica in local_replicas:
-      self._everyone[replica] = cross_device_utils.CollectiveReplicaLauncher(
-          keys.get_group_key(list(heads)), len(heads), keys, heads[replica],
-          options)
-    for replica in local_replicas:
-      devices = [heads[r] for r in groups.expert_group(replica)]
-      _check_rank_order(devices)
-      self._all_to_all[replica] = cross_device_utils.CollectiveReplicaLauncher(
-          keys.get_group_key(devices), len(devices), keys, heads[replica],
-          options)
+    for column in token_columns:
+      everyone = [group[column] for group in replicas]
+      for replica in local_replicas:
+        self._everyone[replica, column] = (
+            cross_device_utils.CollectiveReplicaLauncher(
+                keys.get_group_key(everyone), len(everyone), keys,
+                replicas[replica][column], options))
+      for replica in local_replicas:
+        devices = [replicas[r][column] for r in groups.expert_group(replica)]
+        _check_rank_order(devices)
+        self._all_to_all[replica, column] = (
+            cross_device_utils.CollectiveReplicaLauncher(
+                keys.get_group_key(devices), len(devices), keys,
+                replicas[replica][column], options))
     for column in range(columns):
       for replica in local_replicas:
         devices = [replicas[r][column]
@@ -153,13 +167,15 @@ class Launchers:
                 keys.get_group_key(devices), len(devices), keys,
                 replicas[replica][column], options))
 
-  def all_to_all(self, replica):
-    """The launcher of `replica`'s expert group."""
-    return self._all_to_all[replica]
+  def all_to_all(self, replica, column=0):
+    """The launcher of `replica`'s expert group (among the replicas'
+    devices `column`)."""
+    return self._all_to_all[replica, column]
 
-  def everyone(self, replica):
-    """The launcher of the group of every replica."""
-    return self._everyone[replica]
+  def everyone(self, replica, column=0):
+    """The launcher of the group of every replica (their devices
+    `column`)."""
+    return self._everyone[replica, column]
 
   def expert_data(self, replica, column=0):
     """The launcher of `replica`'s expert-data group (on the replica's

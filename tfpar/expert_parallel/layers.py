@@ -11,6 +11,8 @@ whole batch.
 
 Under expert x tensor the replica's head hands the rows of each tensor
 column's experts to that device, which runs them (forward and backward).
+Under expert x pipeline a block runs on its stage's device of each
+replica, and its all-to-alls and statistics sums join those devices.
 
 Outside a replica context (Keras tracing shapes, a call outside
 `strategy.run`) the block computes on one device with the whole experts.
@@ -76,6 +78,7 @@ def build_call(block, family, context):
   # Under expert x tensor, each tensor column's variables, in weight order.
   columns = [[context.weight_of(v).variables[k] for v in variables]
              for k in range(context.columns)]
+  token_column = context.token_column(block)
 
   def call(hidden_states, attention_mask=None, training=False):
     shape = tf.shape(hidden_states)
@@ -103,7 +106,8 @@ def build_call(block, family, context):
       expert_out = tf.reshape(out, [-1, hidden])
     else:
       expert = context.groups.expert
-      launcher = context.launchers.all_to_all(replica)
+      # The replicas' devices running this block (a pipeline stage's).
+      launcher = context.launchers.all_to_all(replica, token_column)
       chunks = tf.reshape(buffer, [expert, -1, hidden])
       received = comm.all_to_all(chunks, launcher, block.name)
       if context.columns == 1:
@@ -126,7 +130,8 @@ def build_call(block, family, context):
                            router_probs.dtype))
       global_sum = ((lambda v: v) if replica is None else
                     (lambda v: comm.sum_over_replicas(
-                        v, context.launchers.everyone(replica), block.name)))
+                        v, context.launchers.everyone(replica, token_column),
+                        block.name)))
       aux = routing.load_balancing_loss(router_probs, experts, num_experts,
                                         mask, global_sum)
       block.add_loss(getattr(block, family.aux_coefficient) * aux)

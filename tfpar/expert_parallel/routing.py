@@ -11,8 +11,29 @@ sends to expert e; the buffer's extra last row collects what is dropped.
 """
 
 import math
+import numbers
 
 import tensorflow as tf
+
+
+def check_capacity_factor(capacity_factor):
+  """Raises unless `capacity_factor` is None or a positive number.
+
+  Example:
+
+  >>> check_capacity_factor(1.25)
+  >>> check_capacity_factor(0)
+  Traceback (most recent call last):
+  ...
+  ValueError: capacity_factor must be None (drop nothing) or a positive number. Received: capacity_factor=0
+  """
+  if capacity_factor is not None and (
+      isinstance(capacity_factor, bool) or
+      not isinstance(capacity_factor, numbers.Real) or
+      not capacity_factor > 0):
+    raise ValueError(
+        f"capacity_factor must be None (drop nothing) or a positive "
+        f"number. Received: capacity_factor={capacity_factor!r}")
 
 
 def capacity(tokens, num_experts, top_k, capacity_factor):

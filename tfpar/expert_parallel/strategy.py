@@ -2,11 +2,10 @@
 `ExpertParallelExtended` (data-only mesh) and
 `ExpertTensorParallelExtended` (data x tensor mesh)."""
 
-import numbers
-
 from tfpar.engine import strategy as engine_strategy
 from tfpar.expert_parallel import extended as extended_lib
 from tfpar.expert_parallel import groups as groups_lib
+from tfpar.expert_parallel import routing
 from tfpar.expert_parallel import tensor_extended
 from tfpar.tensor_parallel import plan as plan_lib
 
@@ -36,7 +35,8 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
 
   Args:
     mesh: a `tfpar.Mesh` with a `data` axis and optionally a `tensor` axis
-      (pipeline 1).
+      (pipeline 1; for expert x pipeline see
+      `tfpar.PipelineParallelStrategy`'s `expert`).
     expert: replicas per expert group; divides the data size and every MoE
       layer's number of experts.
     capacity_factor: None: every expert takes every token routed to it
@@ -101,13 +101,7 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
 
   def __init__(self, mesh=None, expert=2, capacity_factor=None,
                communication_options=None, plan=None):
-    if capacity_factor is not None and (
-        isinstance(capacity_factor, bool) or
-        not isinstance(capacity_factor, numbers.Real) or
-        not capacity_factor > 0):
-      raise ValueError(
-          f"capacity_factor must be None (drop nothing) or a positive "
-          f"number. Received: capacity_factor={capacity_factor!r}")
+    routing.check_capacity_factor(capacity_factor)
     self._expert = expert
     self._capacity_factor = capacity_factor
     self._plan = None if plan is None else plan_lib.as_plan(plan)
@@ -116,10 +110,10 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
   def _check_mesh(self, mesh):
     if mesh.shape["pipeline"] != 1:
       raise ValueError(
-          f"ExpertParallelStrategy does not combine with pipeline "
-          f"parallelism yet; the mesh has pipeline="
-          f"{mesh.shape['pipeline']}. Use data (and tensor) axes only "
-          f"(e.g. tfpar.Mesh({{'data': {mesh.size}}})).")
+          f"ExpertParallelStrategy runs on data (and tensor) axes; the mesh "
+          f"has pipeline={mesh.shape['pipeline']}. For expert x pipeline "
+          f"use tfpar.PipelineParallelStrategy(mesh, num_microbatches=..., "
+          f"expert={self._expert!r}), which splits each stage's experts.")
     if mesh.shape["tensor"] == 1 and self._plan is not None:
       raise ValueError(
           f"plan= lays out weights over the 'tensor' axis, which this mesh "

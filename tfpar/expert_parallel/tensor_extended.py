@@ -64,7 +64,8 @@ class ExpertTensorParallelExtended(expert_extended.ExpertSplitting,
       rows = tf.identity(rows)
     return compute.on_device(device, fn, rows)
 
-  def column_scopes(self):
+  def column_scopes(self, block):
+    del block
     return [self.variables_on_column(k) for k in range(self.tensor_size)]
 
   preparation = ("shard it and split its experts, so its weights would stay "

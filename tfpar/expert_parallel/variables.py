@@ -160,7 +160,8 @@ def split_expert_weight(variable, ranks, expert, column_scopes=None):
     column_scopes: None (the variable lives on the replica heads), or one
       context per tensor column that places new variables on that column's
       device of every replica; the experts are then split into
-      `expert x len(column_scopes)` slots (rank-major).
+      `expert x len(column_scopes)` slots (rank-major). A single context
+      (a pipeline stage's device) only places the variable.
 
   Returns:
     An `ExpertWeight` whose `variables` replace `variable` in its layer.
@@ -182,7 +183,7 @@ def split_expert_weight(variable, ranks, expert, column_scopes=None):
   pieces = np.split(whole, expert * columns, axis=0)
   made = []
   for column in range(columns):
-    suffix = "_experts" if column_scopes is None else f"_experts{column}"
+    suffix = "_experts" if columns == 1 else f"_experts{column}"
     scope = (contextlib.nullcontext() if column_scopes is None
              else column_scopes[column])
     with tf.init_scope(), scope:
@@ -202,7 +203,7 @@ def split_expert_weight(variable, ranks, expert, column_scopes=None):
   piece_terms.carry_over(variable, made)
   weight = ExpertWeight(variable.path, made, ranks, expert)
   for column, local in enumerate(made):
-    if column_scopes is None:
+    if columns == 1:
       checkpoint_whole(local, ranks, expert)
     else:
       refuse_checkpoint(local)

@@ -106,14 +106,16 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     # layers, which hides the Dense pairs the built-in plan looks for.
     layer_layouts = (self.plan.resolve(model, self.tensor_size)
                      if self.tensor_size > 1 else None)
+    elsewhere = self.laid_out_elsewhere(model)  # Checked before any move.
     plan = self.stage_plan(model)
     split = {v.path for layout in layer_layouts or () for v in
              layout.variables if v.axis is not None}
     placement.place_stage_variables(self._container_strategy(), plan,
                                     self._local_groups, self.pipeline_size,
-                                    self.tensor_size, skip=split)
+                                    self.tensor_size, skip=split | elsewhere)
     if layer_layouts is not None:
       self._shard_stages(model, plan, layer_layouts)
+    self.lay_out_elsewhere(model, plan)
     for variable in spread.pending_weights(model):  # In no stage.
       spread.materialize(variable, self._container_strategy())
     object.__setattr__(model, "_tfpar_stage_plan", plan)
@@ -121,6 +123,17 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
         model, lambda: self.runner(plan), self.num_microbatches)
     for name in ("train_step", "test_step", "predict_step"):
       object.__setattr__(model, name, getattr(pipelined, name))
+
+  def laid_out_elsewhere(self, model):
+    """Paths of the weights another parallelism lays out (the experts
+    under expert x pipeline), which stay where they were created."""
+    del model
+    return frozenset()
+
+  def lay_out_elsewhere(self, model, plan):
+    """Lays out `laid_out_elsewhere`'s weights, once `model` is cut into
+    `plan` and its other weights are on their stages' devices."""
+    del model, plan
 
   def _shard_stages(self, model, plan, layer_layouts):
     """Splits each stage's layers over the stage's tensor group."""

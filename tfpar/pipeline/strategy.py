@@ -8,6 +8,8 @@ from tfpar import mesh as mesh_lib
 from tfpar.engine import strategy as engine_strategy
 from tfpar.engine import training_summary
 from tfpar.pipeline import cross_worker
+from tfpar.pipeline import expert_extended
+from tfpar.pipeline import experts
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
 from tfpar.pipeline import schedules
@@ -64,10 +66,22 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
       the built-in plans (see `tfpar.TensorParallelStrategy`).
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
+    expert: None, or expert x pipeline: the mixture-of-experts layers'
+      experts (keras-hub's Mixtral and Qwen-MoE blocks, `tfpar.MoE`) are
+      split over groups of `expert` consecutive data replicas, on their
+      stage's devices: each holds num_experts / expert of a layer's
+      experts, and tokens reach them with all-to-alls among the stage's
+      devices (see `tfpar.ExpertParallelStrategy`). Divides the data size.
+    capacity_factor: with `expert`, None (drop nothing) or a positive
+      number bounding each expert's tokens per micro-batch (see
+      `tfpar.ExpertParallelStrategy`).
 
   Raises:
     ValueError: a bad schedule, stages, num_microbatches or plan, a plan
-      without a `tensor` axis, or tensor-parallel stages across workers.
+      without a `tensor` axis, or tensor-parallel stages across workers;
+      with `expert`: an expert size that does not divide the data size, a
+      tensor axis, a mesh across workers, `"interleaved"`, `recompute`;
+      when the model is built, experts not divisible by `expert`.
 
   Example:
 
@@ -81,12 +95,33 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
   ...   model.compile(optimizer="adam", loss="mse")
   >>> print(strategy.describe_stages(model, print_fn=None).splitlines()[2])
   0      2       d0 .. d1       50.0%  144     /job:localhost/replica:0/task:0/device:CPU:0
+
+  Expert x pipeline: each stage's experts split over expert groups of 2
+  replicas (here one group), on the stage's devices:
+
+  >>> strategy = tfpar.PipelineParallelStrategy(
+  ...     tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2,
+  ...     schedule="gpipe", expert=2)
+  >>> with strategy.scope():
+  ...   tokens = keras.Input((4,), dtype="int32")
+  ...   x = keras.layers.Embedding(16, 8, name="embed")(tokens)
+  ...   x = tfpar.MoE(num_experts=4, intermediate_dim=8, name="moe0")(x)
+  ...   x = tfpar.MoE(num_experts=4, intermediate_dim=8, name="moe1")(x)
+  ...   model = keras.Model(tokens, keras.layers.Dense(16, name="head")(x))
+  >>> row = [line for line in strategy.describe(model, print_fn=None)
+  ...        .splitlines() if line.startswith("moe1/block/experts/up")][0]
+  >>> print(row.split("  ")[-1])
+  0: CPU:1 | 1: CPU:3
   """
 
   def __init__(self, mesh=None, num_microbatches=None, schedule="1f1b",
                stages="auto", recompute=False, plan=None,
                communication_options=None, virtual_stages=1,
-               communication_dtype="float32"):
+               communication_dtype="float32", expert=None,
+               capacity_factor=None):
+    experts.check_options(expert, capacity_factor, schedule, recompute)
+    self._expert = expert
+    self._capacity_factor = capacity_factor
     if (not isinstance(num_microbatches, numbers.Integral) or
         isinstance(num_microbatches, bool) or num_microbatches < 1):
       raise ValueError(
@@ -108,6 +143,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     self._plan = None if plan is None else plan_lib.as_plan(plan)
     if mesh is None:
       mesh = mesh_lib.Mesh.from_cluster_resolver()
+    if isinstance(mesh, mesh_lib.Mesh) and expert is not None:
+      experts.check_mesh(mesh, expert)  # Before other workers serve.
     if isinstance(mesh, mesh_lib.Mesh) and cross_worker.crosses_workers(mesh):
       if mesh.shape["tensor"] > 1:
         raise ValueError(
@@ -131,10 +168,18 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
           f"{4 * stages_count} micro-batches (4 x stages).", stacklevel=2)
 
   def _make_extended(self, mesh, communication_options):
-    return extended_lib.PipelineParallelExtended(
-        self, mesh, *self._options, plan=plan_lib.as_plan(self._plan),
+    num_microbatches, schedule, stages, recompute, virtual_stages = (
+        self._options)
+    options = dict(
+        num_microbatches=num_microbatches, schedule=schedule, stages=stages,
+        recompute=recompute, virtual_stages=virtual_stages,
+        plan=plan_lib.as_plan(self._plan),
         communication_options=communication_options,
         float32_sums=self._float32_sums)
+    if self._expert is not None:
+      return expert_extended.ExpertPipelineExtended(
+          self, mesh, self._expert, self._capacity_factor, **options)
+    return extended_lib.PipelineParallelExtended(self, mesh, **options)
 
   def _check_mesh(self, mesh):
     num_microbatches, schedule, _, _, virtual_stages = self._options
@@ -145,6 +190,26 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
           "plan splits layers over the mesh's tensor axis, but this mesh has "
           "tensor=1. Add a tensor axis (e.g. tfpar.Mesh({'pipeline': 2, "
           "'tensor': 2})) or leave plan=None.")
+
+  @property
+  def expert(self):
+    """Replicas per expert group (None: experts are not split)."""
+    return self._expert
+
+  @property
+  def capacity_factor(self):
+    """None (nothing dropped) or the bound on each expert's tokens per
+    micro-batch (with `expert`)."""
+    return self._capacity_factor
+
+  def routing_report(self):
+    """{MoE layer path: (dropped, routed)} token-to-expert assignments
+    since the strategy started (with `expert`; see
+    `tfpar.ExpertParallelStrategy.routing_report`)."""
+    if self._expert is None:
+      raise ValueError("routing_report() reports the routing of split "
+                       "experts; this strategy has expert=None.")
+    return self.extended.routing_report()
 
   @property
   def num_microbatches(self):
