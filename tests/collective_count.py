@@ -66,3 +66,58 @@ def update_all_reduces():
     tf_optimizer.TFOptimizer._backend_update_step = original_update
     totals["executions"] = sum(int(e.numpy()) for e, _ in counters.values())
     totals["bytes"] = sum(int(b.numpy()) for _, b in counters.values())
+
+
+@contextlib.contextmanager
+def gathers_and_all_to_alls():
+  """Counts, at run time, every all-gather and all-to-all that runs while
+  the block is open, in functions traced inside it (ZeRO's collectives:
+  its reduce-scatter is an all-to-all on CPU), whoever launches them: a
+  counter per device incremented by a control dependency of each
+  collective, wrapping TensorFlow's own `collective_ops` functions.
+
+  Yields:
+    A dict that holds, once the block ends, for "all-gather" and
+    "all-to-all", the executions summed over devices and, under
+    "<kind> bytes", the bytes of their inputs summed over devices.
+  """
+  kinds = {"all-gather": "all_gather_v2", "all-to-all": "all_to_all_v2"}
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+  with tf.init_scope():
+    counters = {}
+    for device in devices:
+      with tf.device(device):
+        index = tf.DeviceSpec.from_string(device).device_index
+        for kind in kinds:
+          counters[index, kind] = (
+              tf.Variable(0, dtype=tf.int64, trainable=False),
+              tf.Variable(0, dtype=tf.int64, trainable=False))
+  originals = {kind: getattr(collective_ops, name)
+               for kind, name in kinds.items()}
+
+  def counting(kind):
+    def launch(t, *args, **kwargs):
+      result = originals[kind](t, *args, **kwargs)
+      executions, sent = counters[
+          tf.DeviceSpec.from_string(result.device).device_index, kind]
+      nbytes = t.shape.num_elements() * t.dtype.size
+      with tf.control_dependencies([result]):
+        counted = tf.group(executions.assign_add(1),
+                           sent.assign_add(nbytes))
+      with tf.control_dependencies([counted]):
+        return tf.identity(result)
+    return launch
+
+  totals = {}
+  for kind, name in kinds.items():
+    setattr(collective_ops, name, counting(kind))
+  try:
+    yield totals
+  finally:
+    for kind, name in kinds.items():
+      setattr(collective_ops, name, originals[kind])
+    for kind in kinds:
+      totals[kind] = sum(int(counters[key][0].numpy()) for key in counters
+                         if key[1] == kind)
+      totals[f"{kind} bytes"] = sum(int(counters[key][1].numpy())
+                                    for key in counters if key[1] == kind)

@@ -42,8 +42,14 @@ class ZeRO(keras.callbacks.Callback):
     bucket_bytes: the most bytes of gradients (or of updated weight
       slices) that one collective of the update step carries; the update
       sends its tensors in as few collectives as this allows (DeepSpeed's
-      `reduce_bucket_size`). Larger buckets mean fewer, larger messages
-      and a larger temporary copy.
+      `reduce_bucket_size`). Under stage 3 also the most bytes of weights
+      one all-gather of the forward or backward pass gathers, and one
+      reduce-scatter of their gradients carries: the model is cut into
+      units of whole layers that fit (FSDP's wrapped modules; the whole
+      model when it fits), each gathering its weights in one all-gather
+      per bucket (see `tfpar.zero.buckets`). Larger buckets mean fewer,
+      larger messages and a larger temporary copy (under stage 3, more
+      weights whole at once).
     load_from: None, or the path of a `.weights.h5` or `.keras` file to
       load weights and optimizer state from (written with or without ZeRO,
       on any number of replicas), once the optimizer is sharded at the
@@ -132,6 +138,9 @@ class ZeRO(keras.callbacks.Callback):
             f"when it was built (its strategy has zero=tfpar.ZeRO(stage=3)); "
             f"fit cannot use tfpar.ZeRO(stage={self.stage}). Pass "
             f"tfpar.ZeRO(stage=3) or no ZeRO callback.")
+      if state.bucket_bytes != self.bucket_bytes:  # Planned at build.
+        sharded_weights.regather_in_backward(model, self.bucket_bytes,
+                                             strategy)
       state.offload, state.bucket_bytes = self.offload, self.bucket_bytes
     else:
       state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
@@ -139,7 +148,8 @@ class ZeRO(keras.callbacks.Callback):
     if self.stage == 3 and state is not getattr(
         model, "_tfpar_zero_weights", None):
       sharded_weights.shard(model, state)
-      sharded_weights.regather_in_backward(model)
+      sharded_weights.regather_in_backward(model, self.bucket_bytes,
+                                           strategy)
     sharded_optimizer.shard(inner, state)
     object.__setattr__(optimizer, "_tfpar_zero", state)
     for saved in {id(o): o for o in (optimizer, inner)}.values():
@@ -163,7 +173,7 @@ class ZeRO(keras.callbacks.Callback):
     state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
                                         self.bucket_bytes)
     sharded_weights.shard(model, state)
-    sharded_weights.regather_in_backward(model)
+    sharded_weights.regather_in_backward(model, self.bucket_bytes, strategy)
     object.__setattr__(model, "_tfpar_zero_weights", state)
 
   def _load(self, model):

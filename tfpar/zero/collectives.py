@@ -15,8 +15,9 @@ record per key for the life of the process (about 300 bytes per key and
 device, measured), so per-weight collectives grew the process by that much
 per weight and step.
 
-Stage 3's per-weight collectives (the gathers of the forward pass and of
-the recomputed backward pass, and the gradients' reduce-scatters) take
+Stage 3's collectives (the gathers of the forward pass and of the
+recomputed backward pass, and the gradients' reduce-scatters, one per
+bucket of weights, `tfpar.zero.buckets`) take
 fixed instance keys instead (`fixed_key`): each key is a function of what
 the collective moves (the weight, the kind of collective, its dtype, and
 how many such collectives of that weight the traced function already
@@ -64,7 +65,9 @@ def _strategy_ops(strategy, column):
 _zero_ops = weakref.WeakKeyDictionary()  # extended -> {column: ops}
 
 
-def _launcher(context, column=None):
+def launcher(context, column=None):
+  """The launcher of ZeRO's group for `context`'s replica (`column`: as
+  for `all_gather`)."""
   column = column or None  # 0 and None: the replica heads.
   per_column = _zero_ops.setdefault(context.strategy.extended, {})
   if column not in per_column:
@@ -73,11 +76,14 @@ def _launcher(context, column=None):
         group_key_start=1 + engine.next_collective_key_base())
     group, all_local = distribute.regrouped(ops, keys)
     if all_local:  # Keys fixed at trace time keep memory flat.
-      for launcher in distribute.launchers(group):
-        distribute.fix_instance_keys_at_trace_time(launcher)
+      for member in distribute.launchers(group):
+        distribute.fix_instance_keys_at_trace_time(member)
     per_column[column] = group
   return distribute.launchers(per_column[column])[
       distribute.local_replica_index(context)]
+
+
+_launcher = launcher
 
 
 # Fixed instance keys (`fixed_key`). A site is a number every worker gives

@@ -4,14 +4,15 @@ A weight's only storage becomes a slice variable (replica r holds slice r).
 Inside a replica the Keras variable reads as the whole weight, all-gathered
 where a layer uses it; the gather's gradient is a reduce-scatter, so the
 tape hands the optimizer each replica's slice of the summed gradient.
+The weights of one unit (a layer, or a run of layers that fits in
+`bucket_bytes`) travel together: one all-gather and one reduce-scatter per
+bucket (`buckets`); a weight read outside its unit is gathered alone.
 Outside replicas (`get_weights`, saving, `assign`) the variable behaves as
 the whole weight.
 """
 
-import inspect
 import threading
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -19,6 +20,7 @@ from tfpar._compat import keras_layers
 from tfpar._compat.keras_modules import keras_variables
 from tfpar.common import instrument
 from tfpar.engine import spread
+from tfpar.zero import buckets
 from tfpar.zero import collectives
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients
@@ -54,10 +56,13 @@ class GatheredWeight(keras_layers.WholeAssignment):
     # The gathers and reduce-scatters of this weight take fixed collective
     # keys: the process keeps no new record per key and step.
     site = getattr(self, "_tfpar_zero_site", None)
+    phase = getattr(_phase, "current", instrument.FORWARD)
+    fused = buckets.gathered(self, phase)  # Its bucket's, in its unit.
+    if fused is not None:
+      return fused
 
     @tf.custom_gradient
     def gather(piece):
-      phase = getattr(_phase, "current", instrument.FORWARD)
       # Under a mixed precision policy, in the layer's compute dtype, as a
       # Keras variable reads inside a layer: half the bytes of float32
       # (DeepSpeed gathers fp16 parameters the same way).
@@ -158,9 +163,10 @@ def shard(model, state):
 
 
 
-def _recomputed(call):
+def _recomputed(call, unit):
   """`call`, run again in the backward pass (gathering the weights again)
-  instead of keeping its gathered weights alive until then."""
+  instead of keeping its gathered weights alive until then; each run
+  gathers `unit`'s buckets (`buckets.gathered`)."""
   def wrapped(*args, **kwargs):
     if not _in_replica():
       return call(*args, **kwargs)
@@ -175,7 +181,8 @@ def _recomputed(call):
       previous = getattr(_phase, "current", instrument.FORWARD)
       _phase.current = instrument.BACKWARD if len(runs) > 1 else previous
       try:
-        with keras_variables.AutocastScope(autocast_dtype):
+        with keras_variables.AutocastScope(autocast_dtype), \
+            buckets.running(unit):
           return call(*inputs, **kwargs)
       finally:
         _phase.current = previous
@@ -183,25 +190,53 @@ def _recomputed(call):
   return wrapped
 
 
-def regather_in_backward(model):
-  """Makes every layer that owns trainable weights gather them again for
-  its backward pass, so that gathered weights live only while used.
+def _kept(call, unit):
+  """`call`, gathering `unit`'s buckets once and keeping them for the
+  backward pass (a layer that draws random numbers)."""
+  def wrapped(*args, **kwargs):
+    if not _in_replica():
+      return call(*args, **kwargs)
+    with buckets.running(unit):
+      return call(*args, **kwargs)
+  return wrapped
 
-  Layers that draw random numbers (dropout inside the layer) are left as
-  they are: recomputing them would draw new masks. So are plain embedding
-  lookups: their backward pass needs the token ids, not the table, and
-  `tf.recompute_grad` would densify their sparse gradients (which ZeRO
-  applies as MirroredStrategy does, `sparse_gradients`).
+
+def regather_in_backward(model, bucket_bytes, strategy):
+  """Cuts `model`'s ZeRO-3 weights into units and buckets of up to
+  `bucket_bytes` (`buckets.plan`): each unit's call gathers a bucket with
+  one all-gather, and its gradient is one reduce-scatter. A unit is
+  recomputed in its backward pass, which gathers its weights again, so
+  that gathered weights live only while used.
+
+  Units with a layer that draws random numbers (dropout inside) are not
+  recomputed (new masks would be drawn): they keep their gathered weights.
+  Plain embedding lookups are left out: their backward pass needs the
+  token ids, not the table, and `tf.recompute_grad` would densify their
+  sparse gradients (which ZeRO applies as MirroredStrategy does,
+  `sparse_gradients`); they gather their table alone.
+
+  Args:
+    model: a Keras model whose weights `shard` sliced.
+    bucket_bytes: the most bytes of weights one collective carries.
+    strategy: the strategy of `model` (its sites of fixed keys).
   """
-  for layer in keras_layers.flatten_layers(model, include_self=False):
-    if (keras_layers.variable_lists(layer)[0] and
-        not keras_layers.seed_generators(layer) and
-        not _is_lookup(layer)):
-      layer.call = _recomputed(layer.call)
-
-
-def _is_lookup(layer):
-  """A Keras Embedding that only looks rows up (not a tied output
-  projection, keras-hub's ReversibleEmbedding with `reverse=True`)."""
-  return (isinstance(layer, keras.layers.Embedding) and
-          "reverse" not in inspect.signature(layer.call).parameters)
+  for layer in keras_layers.flatten_layers(model):  # Planned before.
+    original = getattr(layer, "_tfpar_zero_call", None)
+    if original is not None:
+      layer.call = original
+  for weight in model.trainable_variables:
+    if isinstance(weight, GatheredWeight):
+      weight._tfpar_zero_bucket = None  # pylint: disable=protected-access
+  units = buckets.plan(
+      model, bucket_bytes, lambda w: isinstance(w, GatheredWeight),
+      lambda w: getattr(w, "_tfpar_zero_column", None))
+  for unit in units:
+    for bucket in unit.buckets:
+      bucket.site = collectives.new_site(strategy)
+      for index, weight in enumerate(bucket.weights):
+        weight._tfpar_zero_bucket = (unit, bucket, index)  # pylint: disable=protected-access
+    layer = unit.layer
+    object.__setattr__(layer, "_tfpar_zero_call", layer.call)
+    wrap = _recomputed if unit.recomputed else _kept
+    layer.call = wrap(layer.call, unit)
+  object.__setattr__(model, "_tfpar_zero_plan", (bucket_bytes, units))
