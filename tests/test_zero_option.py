@@ -1,9 +1,8 @@
 """`DataParallelStrategy(zero=tfpar.ZeRO(stage=...))`: ZeRO known before
 the model is built. Every stage trains like one device and keeps 1/N of
-each optimizer slot per replica; stage 3 (weights created sliced) is
-refused across workers before any work, pointing to the callback."""
+each optimizer slot per replica. Stage 3 across workers:
+test_zero_option_multi_worker.py."""
 
-import json
 import math
 
 import keras
@@ -46,13 +45,3 @@ def test_every_stage_trains_like_one_device_with_slots_sliced(stage):
       assert len({p.shape.num_elements() for p in parts}) == 1, slot.path
       shares.append(parts[0].shape.num_elements())
   assert sorted(shares) == expected_shares
-
-
-def test_stage_3_option_is_refused_across_workers(monkeypatch):
-  monkeypatch.setenv("TF_CONFIG", json.dumps({
-      "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
-      "task": {"type": "worker", "index": 0}}))
-  mesh = tfpar.Mesh.from_cluster_resolver(data=-1)
-  assert mesh.is_multi_worker
-  with pytest.raises(ValueError, match="one host only.*tfpar.ZeRO"):
-    tfpar.DataParallelStrategy(mesh, zero=tfpar.ZeRO(stage=3))

@@ -22,12 +22,15 @@ class DataParallelStrategy(engine_strategy.MeshStrategy):
       `tfpar.ZeRO(stage=3)` each trainable weight is created as 1/N slices,
       one per replica, so no device ever holds the whole model: a replica
       holds 1/N of the weights plus one whole weight in transit, from the
-      first weight created. One host only (across workers, pass
-      `tfpar.ZeRO(stage=3)` to `fit`).
+      first weight created. Across `TF_CONFIG` workers each worker draws
+      every initial value and keeps its own replicas' slices: build the
+      model after `keras.utils.set_random_seed` with the same seed on every
+      worker (workers that drew differently are refused when the model is
+      prepared).
 
   Raises:
-    ValueError: the mesh has `pipeline` or `tensor` larger than 1, `zero`
-      is not a `tfpar.ZeRO`, or stage 3 at creation across workers.
+    ValueError: the mesh has `pipeline` or `tensor` larger than 1, or
+      `zero` is not a `tfpar.ZeRO`.
 
   Example:
 
@@ -49,13 +52,6 @@ class DataParallelStrategy(engine_strategy.MeshStrategy):
     super().__init__(mesh, communication_options)
 
   def _make_extended(self, mesh, communication_options):
-    if (self._zero is not None and self._zero.stage == 3 and
-        mesh.is_multi_worker):
-      raise ValueError(
-          "DataParallelStrategy(zero=tfpar.ZeRO(stage=3)) creates weights "
-          f"sliced on one host only; this mesh spans "
-          f"{mesh.cluster.num_tasks} workers. Pass tfpar.ZeRO(stage=3) to "
-          f"fit instead.")
     return extended_lib.DataParallelExtended(
         self, mesh, communication_options, zero=self._zero)
 

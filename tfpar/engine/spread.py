@@ -74,6 +74,21 @@ def flat_pieces(value, count):
   return tf.split(flat, count)
 
 
+def fingerprint(pieces):
+  """A digest of a whole value cut into `pieces` (`flat_pieces`): its sum
+  and sum of squares, float64 NumPy. Workers that drew the same value
+  get equal digests; different draws differ.
+
+  Example:
+
+  >>> fingerprint(flat_pieces(tf.constant([1.0, 2.0, 2.0]), 2)).tolist()
+  [5.0, 9.0]
+  """
+  flat = tf.cast(tf.concat(pieces, 0), tf.float64)
+  return np.array([tf.reduce_sum(flat).numpy(),
+                   tf.reduce_sum(flat * flat).numpy()])
+
+
 def _components(part):
   values = getattr(part, "values", None)
   return tuple(values) if values is not None else (part,)
@@ -118,6 +133,26 @@ class SpreadVariable:
     self._distribute_strategy = strategy
     self._devices = tuple(heads)
     self._unique_id = f"tfpar_spread_{next(_ids)}"
+    self._indices = tuple(range(len(self._parts)))
+    self._count = len(self._parts)
+    self._gather = None
+
+  def held_across_workers(self, indices, count, gather):
+    """Marks `parts` as slices `indices` of `count`, the others held by
+    other workers (a data-parallel replica's slices on its worker).
+
+    Args:
+      indices: the index among all slices of each of `parts`.
+      count: how many slices the weight has over all workers.
+      gather: `gather(parts)`, a collective every worker calls in the same
+        order: the whole flat value (all `count` slices concatenated).
+    """
+    self._indices, self._count, self._gather = tuple(indices), count, gather
+
+  # Across workers, a digest of the whole value each worker drew (and of
+  # the last whole value assigned): every worker must hold slices of the
+  # same weight (`fingerprint`).
+  drawn = None
 
   shape = property(lambda self: self._shape)
   dtype = property(lambda self: self._dtype)
@@ -144,10 +179,37 @@ class SpreadVariable:
     """The per-device variables holding the slices."""
     return tuple(c for part in self.parts for c in _components(part))
 
+  @property
+  def indices(self):
+    """The index among all the weight's slices of each of `parts`."""
+    return self._indices
+
+  @property
+  def count(self):
+    """How many slices the weight has (on every worker)."""
+    return self._count
+
   def read_value(self):
-    """The whole weight (the slices concatenated where this runs)."""
+    """The whole weight (the slices concatenated where this runs; across
+    workers, gathered from every worker: a collective)."""
+    if len(self.parts) < self._count:
+      return self._read_across_workers()
     flat = tf.concat([tf.convert_to_tensor(p) for p in self.parts], 0)
     return tf.reshape(flat[:self._shape.num_elements()], self._shape)
+
+  def _read_across_workers(self):
+    if tf.executing_eagerly():  # Every worker reads it: a collective.
+      flat = tf.constant(self._gather(self.parts))
+      return tf.reshape(flat[:self._shape.num_elements()], self._shape)
+    # Keras's shape inference (a functional model's layer calls) traces
+    # into a throw-away "scratch_graph" that never runs.
+    if tf.compat.v1.get_default_graph().name.startswith("scratch_graph"):
+      return tf.zeros(self._shape, self._dtype)
+    raise ValueError(
+        f"Weight {self._name!r} is created sliced over several workers "
+        f"(tfpar.ZeRO(stage=3)) and its model is not prepared yet; a "
+        f"tf.function can read it only once the model is built and its "
+        f"strategy's scope exited. Read it eagerly, on every worker.")
 
   value = read_value
 
@@ -163,8 +225,11 @@ class SpreadVariable:
   def assign(self, value, use_locking=None, name=None, read_value=True):
     del use_locking, name
     value = tf.convert_to_tensor(value, dtype=self._dtype)
-    for part, piece in zip(self.parts, flat_pieces(value, len(self.parts))):
-      part.assign(piece)
+    pieces = flat_pieces(value, self._count)
+    for part, index in zip(self.parts, self._indices):
+      part.assign(pieces[index])
+    if self.drawn is not None:  # Not known inside a graph: not checked.
+      self.drawn = fingerprint(pieces) if tf.executing_eagerly() else None
     return self.read_value() if read_value else None
 
   def release(self):

@@ -149,10 +149,14 @@ def shard(model, state):
         continue
       column = state.column(weight)
       devices = state.weight_devices(weight)
-      values = state.weight_slices(weight)
       created = keras_layers.storage(weight)
       if isinstance(created, spread.SpreadVariable):
+        # Created as this host's replicas' slices already (across workers
+        # the other slices are on other workers): copied, not gathered.
+        values = _spread_slices(created, state)
         created.release()  # Its creation-time slices, once read.
+      else:
+        values = state.weight_slices(weight)
       piece = state.new_slice(weight, "zero3", values, devices=devices,
                               trainable=True)
       keras_layers.replace_storage(weight, keras_layers.storage(piece))
@@ -161,6 +165,20 @@ def shard(model, state):
       weight._tfpar_zero_site = collectives.new_site(state.strategy)  # pylint: disable=protected-access
       weight.__class__ = _gathered_class(type(weight))
 
+
+def _spread_slices(created, state):
+  """This host's replicas' ZeRO-3 slices of a weight created spread over
+  the replicas (`engine/spread.py`): the same cut, one slice per replica."""
+  size = slices.slice_size(created.shape, state.replicas)
+  if (created.count != state.replicas or
+      list(created.indices) != list(state.replica_ids) or
+      int(created.parts[0].shape[0]) != size):
+    raise RuntimeError(
+        f"tfpar: weight {created.name!r} was created as slices "
+        f"{list(created.indices)} of {created.count}, but ZeRO-3 needs "
+        f"slices {list(state.replica_ids)} of {state.replicas} of {size} "
+        f"elements here.")
+  return [part.read_value() for part in created.parts]
 
 
 def _recomputed(call, unit):

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfpar import watchdog
 from tfpar._compat import keras_layers
+from tfpar._compat.tf_modules import values_lib
 from tfpar.memory import components
 from tfpar.zero import collectives
 
@@ -53,6 +54,30 @@ def _gather(variables):
 
   wholes = tf.function(lambda: strategy.run(gather_on_replica))()
   return [strategy.experimental_local_results(w)[0].numpy() for w in wholes]
+
+
+def gather_parts(strategy, parts, name):
+  """Every replica's slice concatenated in replica order, as NumPy, when
+  `parts` are this worker's replicas' slices (one variable or tensor per
+  local replica, in order): a collective every worker calls in turn.
+
+  Args:
+    strategy: the multi-worker strategy whose replicas hold the slices.
+    parts: this worker's slices, equal vectors.
+    name: a name for the collective's record.
+  """
+  pieces = values_lib.PerReplica(tuple(tf.convert_to_tensor(p)
+                                       for p in parts))
+
+  def gather_on_replica(piece):
+    return collectives.all_gather_many(
+        [piece], CHECKPOINT, [name], [None],
+        collectives.DEFAULT_BUCKET_BYTES)[0]
+
+  with watchdog.watching(strategy, f"the gather of weight {name!r}"):
+    whole = tf.function(
+        lambda: strategy.run(gather_on_replica, args=(pieces,)))()
+  return strategy.experimental_local_results(whole)[0].numpy()
 
 
 def whole_flat(slice_variable):
