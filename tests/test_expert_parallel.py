@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import hub_common
 import tfpar
+from tfpar.common import whole_weights
 from tfpar.expert_parallel import routing
 
 VOCAB, SEQUENCE, BATCH, STEPS = 64, 8, 8, 10
@@ -100,6 +101,33 @@ def max_weight_difference(model, reference):
   return max(float(np.abs(a - b).max()) for (_, a), (_, b) in zip(ours, theirs))
 
 
+def assert_weights_listed_whole(model, reference, atol):
+  """`model.weights` (and each layer's `weights`, `count_params`) list
+  exactly `reference`'s (one device's) arrays: count, order, shapes and
+  values; `trainable_weights` keeps the variables held (local experts)."""
+  ours = [w.numpy() for w in model.weights]
+  theirs = [w.numpy() for w in reference.weights]
+  assert [a.shape for a in ours] == [b.shape for b in theirs]
+  assert [_anonymous(w.path) for w in model.weights] == [
+      _anonymous(w.path) for w in reference.weights]
+  assert max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)) < atol
+  assert [np.asarray(w).shape for w in model.weights] == [
+      a.shape for a in ours]
+  assert model.count_params() == reference.count_params()
+  experts = [w for w in model.weights if "/experts/" in w.path]
+  assert experts and all(type(w).__name__ == "ExpertWeight" for w in experts)
+  for layer, twin in zip(model.layers, reference.layers):
+    assert [tuple(w.shape) for w in layer.weights] == [
+        tuple(w.shape) for w in twin.weights]
+  held = whole_weights.held(model)
+  assert len(held) > len(model.weights) or any(
+      "_experts" in v.path for v in held)
+  assert all(type(v).__name__ != "ExpertWeight"
+             for v in model.trainable_weights + model.non_trainable_weights)
+  assert {id(v) for v in model.trainable_weights} == {
+      id(v) for v in model.trainable_variables}
+
+
 def assert_ranks_hold_their_experts(variable, expert):
   """Replicas of one expert group hold different experts in `variable`,
   replicas of the same expert rank the same ones."""
@@ -151,6 +179,8 @@ def test_mixtral_expert2_trains_as_one_device(mixtral_sgd, tmp_path):
   ours, theirs = model.get_weights(), reference.get_weights()
   assert [w.shape for w in ours] == [w.shape for w in theirs]
   assert max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)) < 1e-5
+  # So does Keras's `weights` list (whole experts in one device's places).
+  assert_weights_listed_whole(model, reference, 1e-5)
   # save_weights writes whole experts: they load into one device.
   model.save_weights(tmp_path / "experts.weights.h5")
   single = language_model("mixtral")
@@ -193,7 +223,8 @@ def test_each_device_holds_its_share_of_the_experts(request, fixture,
   expert_paths = [v.path for v in reference.weights if "/experts/" in v.path]
   whole = sum(int(np.prod(v.shape)) * 4 for v in reference.weights
               if "/experts/" in v.path)
-  experts = [v for v in model.weights if "/experts/" in v.path]
+  # The variables held (`model.weights` lists the whole experts).
+  experts = [v for v in whole_weights.held(model) if "/experts/" in v.path]
   assert len(experts) == len(expert_paths) == 6
   per_device = expert_bytes_by_device(experts)
   assert len(per_device) == 4
@@ -332,7 +363,7 @@ def test_tf_train_checkpoint_saves_and_restores_every_rank_s_experts(
                    if shape[1:] in ([HIDDEN, 64], [64, HIDDEN])]
   assert len(expert_shapes) == 2 * 3 * 3  # 2 layers, 3 kernels, w + m + v.
   assert all(shape[0] == EXPERTS for shape in expert_shapes), expert_shapes
-  variables = model.weights + model.optimizer.variables
+  variables = whole_weights.held(model) + model.optimizer.variables
   before = _every_component(variables)
   with strategy.scope():
     for variable in variables:

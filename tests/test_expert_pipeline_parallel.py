@@ -138,6 +138,7 @@ def test_trains_as_one_device_over_the_same_microbatches(runs, schedule):
   ours, theirs = model.get_weights(), want.get_weights()
   assert [w.shape for w in ours] == [w.shape for w in theirs]
   whole = max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs))
+  ep.assert_weights_listed_whole(model, want, 1e-5)
   print(f"\nMEASURED {schedule}: losses "
         f"{np.abs(losses - want_losses).max():.1e}, weights {difference:.1e}")
   assert difference < 1e-5 and whole < 1e-5

@@ -16,6 +16,7 @@ import pytest
 
 import hub_common
 import tfpar
+from tfpar.common import whole_weights
 import tfpar.recipes as recipes
 from test_expert_parallel import expert_bytes_by_device
 from test_expert_parallel import language_model
@@ -71,7 +72,7 @@ def test_the_estimate_is_the_bytes_on_every_device(recipe_run):
   (reference, _), _, (model, _) = recipe_run
   estimate = planner.estimate_layout(reference, Layout(data=DEVICES,
                                                        expert=2))
-  parameters = expert_bytes_by_device(model.weights)
+  parameters = expert_bytes_by_device(whole_weights.held(model))
   optimizer = expert_bytes_by_device(model.optimizer.variables)
   print(f"\nDP4 + EP2, Mixtral, SGD with momentum: parameters estimated "
         f"{estimate.parameters:,}, measured {sorted(set(parameters.values()))}"

@@ -17,6 +17,8 @@ import tensorflow as tf
 
 import test_expert_parallel as ep
 import tfpar
+from tfpar.common import whole_weights
+from tfpar.memory import components
 from variable_accounting import VariableAccounting
 
 MESH = {"data": 2, "tensor": 2}
@@ -58,6 +60,8 @@ def test_mixtral_expert2_tensor2_trains_as_one_device(mixtral_sgd, tmp_path):
   ours, theirs = model.get_weights(), reference.get_weights()
   assert [w.shape for w in ours] == [w.shape for w in theirs]
   assert max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)) < 1e-5
+  # Keras's `weights` list: whole experts and whole tensor-split weights.
+  ep.assert_weights_listed_whole(model, reference, 1e-5)
   np.testing.assert_allclose(model.evaluate(ep.dataset(), verbose=0),
                              reference.evaluate(ep.dataset(), verbose=0),
                              atol=1e-5)
@@ -170,9 +174,36 @@ def test_unsupported_paths_are_refused(tmp_path):
       model = _attention_moe_model(heads=2)
       model.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0),
                     loss="mse")
-  with strategy(expert=2).scope():
+
+
+def test_tf_train_checkpoint_saves_and_restores_every_device_s_experts(
+    tmp_path):
+  # Under expert x tensor each replica holds its rank's experts as one
+  # variable per tensor column: the checkpoint holds every weight whole
+  # ([experts, ...], as one device saves it), and a restore gives each
+  # column of each rank its experts back.
+  layout = strategy(expert=2)
+  with layout.scope():
     model = _attention_moe_model(heads=2)
-  checkpoint = tf.train.Checkpoint(model=model)
-  with pytest.raises(ValueError, match="under expert x tensor parallelism "
-                     "yet"):
-    checkpoint.save(str(tmp_path / "ckpt"))
+    model.compile(optimizer="adam", loss="mse")
+  model.fit(np.ones((4, 8), "int32"), np.ones((4, 8, 32)), verbose=0)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+  path = checkpoint.save(str(tmp_path / "ckpt"))
+  saved = dict(tf.train.list_variables(path))
+  experts = [w for w in model.weights if "/experts/" in w.path]
+  assert experts
+  for weight in experts:
+    assert [k for k, shape in saved.items() if shape == list(weight.shape)]
+  # The weights and Adam moments of every rank and column.
+  held = whole_weights.held(model) + [
+      v for v in model.optimizer.variables if "float" in str(v.dtype)]
+  before = ep._every_component(held)
+  wholes = [w.numpy() for w in model.weights]
+  for variable in held:
+    for component in components(variable):
+      component.assign(component * 0.5 + 1.0)
+  assert np.abs(ep._every_component(held) - before).max() > 0.5
+  checkpoint.restore(path).assert_existing_objects_matched()
+  np.testing.assert_array_equal(ep._every_component(held), before)
+  for weight, value in zip(model.weights, wholes):
+    np.testing.assert_array_equal(weight.numpy(), value)

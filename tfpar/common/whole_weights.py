@@ -1,27 +1,28 @@
-"""Keras's weight API in whole weights for tensor-parallel models.
+"""Keras's weight API in whole weights for tensor- and expert-parallel
+models.
 
-A split weight is held as shard variables, which take its place in its
-layer's variable lists (so the optimizer updates the shards). Keras's
+A split weight is held as pieces, which take its place in its layer's
+variable lists (so the optimizer updates the pieces): tensor shards, or
+the local experts of an expert weight (one variable per tensor column
+under expert x tensor). Keras's
 `weights`, `get_weights()` / `set_weights()` and `count_params()` read
 those lists, so they would list shards: 30 arrays where one device has 19.
 `install` makes them speak whole weights, in exactly the count, order and
 shapes one device has, on the model and on every layer holding shards:
 
-- `weights` lists each split weight's `ShardedWeight` (at the position of
-  its first shard), which reads, assigns and converts as a whole value;
+- `weights` lists each split weight's whole view (`ShardedWeight`,
+  `ExpertWeight`) at the position of its first piece, which reads,
+  assigns and converts as a whole value;
 - `trainable_weights` / `non_trainable_weights`, and `variables` /
   `trainable_variables` / `non_trainable_variables`, keep listing the
-  variables held (shards), the ones the trainer and the optimizer use.
-
-Expert weights (`tfpar.expert_parallel`) are whole in `get_weights` /
-`set_weights` only; `weights` lists their local variables.
+  variables held (shards, local experts), the ones the trainer and the
+  optimizer use.
 """
 
 import numpy as np
 
 from tfpar._compat import keras_layers
 from tfpar._compat import keras_weights_view
-from tfpar.common.split_weights import ShardedWeight
 
 
 def whole(variables, kinds=None):
@@ -78,10 +79,6 @@ def held(layer):
   return keras_weights_view.held_weights(layer)
 
 
-def _whole_shards(variables):
-  return whole(variables, ShardedWeight)
-
-
 def _get_weights(layer):
   def get_weights():
     """The values of the layer's weights (split ones whole) as arrays."""
@@ -110,9 +107,8 @@ def _set_weights(layer):
 
 def install(model):
   """Makes Keras's weight API of `model` and of its layers that hold
-  pieces of weights give and take whole weights: `get_weights` /
-  `set_weights` (tensor shards and experts), and `weights` /
-  `count_params` (tensor shards).
+  pieces of weights (tensor shards, local experts) give and take whole
+  weights: `weights`, `get_weights` / `set_weights` and `count_params`.
 
   Args:
     model: a model whose layers were split (`shard_layers`, experts).
@@ -141,5 +137,4 @@ def install(model):
     if any(hasattr(w, "_tfpar_shard_of") for w in variables):
       object.__setattr__(layer, "get_weights", _get_weights(layer))
       object.__setattr__(layer, "set_weights", _set_weights(layer))
-    if len(_whole_shards(variables)) != len(variables):
-      keras_weights_view.show_weights_as(layer, _whole_shards)
+      keras_weights_view.show_weights_as(layer, whole)

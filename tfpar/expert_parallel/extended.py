@@ -101,8 +101,9 @@ class MoEContext:
   def saved_expert_weights(self, model):
     """`model`'s expert weights and its optimizer's expert slots, as whole
     `ExpertWeight` views, in the order saving reads them."""
+    held = whole_weights.held(model)  # `weights` lists them whole.
     weights = [w for w in self.expert_weights()
-               if any(w.variable is v for v in model.weights)]
+               if any(w.variable is v for v in held)]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
       weights += [e for e in optimizer_lib.whole_entries(optimizer, self)
@@ -261,7 +262,7 @@ class ExpertParallelExtended(ExpertSplitting, engine_extended.MeshExtended):
     if not self.is_prepared(model) and model.built:
       self.split_experts(model)
     if self.is_prepared(model) and getattr(model, "optimizer", None):
-      optimizer_lib.adopt(model.optimizer, self._context)
+      optimizer_lib.adopt(model.optimizer, self._context, clip_model=model)
 
 
 def check_block(block, expert, tensor=1):

@@ -11,12 +11,13 @@ import tensorflow as tf
 
 from tfpar._compat import keras_optimizers
 from tfpar.engine import whole_state
+from tfpar.expert_parallel import clipping
 from tfpar.expert_parallel import comm
 from tfpar.expert_parallel import variables as variables_lib
 from tfpar.expert_parallel import whole_experts
 
 
-def adopt(optimizer, context, items=None):
+def adopt(optimizer, context, items=None, clip_model=None):
   """Makes `optimizer` reduce expert gradients over expert-data groups.
 
   Args:
@@ -26,6 +27,9 @@ def adopt(optimizer, context, items=None):
     items: None, or a function giving the optimizer's variables as saved
       before the experts' slots are made whole (under expert x tensor,
       tensor parallelism's logical entries, its split slots whole).
+    clip_model: None (Keras clips, if at all, each replica's gradients),
+      or the model: clipping happens after the sums, by whole weights'
+      norms as on one device (`tfpar.expert_parallel.clipping`).
   """
   if getattr(optimizer, "_tfpar_experts_adopted", False):
     return
@@ -57,8 +61,11 @@ def adopt(optimizer, context, items=None):
     return [(summed[i], v) if i in chosen else next(reduced_others)
             for i, (_, v) in enumerate(pairs)]
 
-  keras_optimizers.replace_all_reduce_sum_gradients(
-      summing, all_reduce_sum_gradients)
+  if clip_model is not None and clipping.clips(summing):
+    clipping.install(summing, context, clip_model, all_reduce_sum_gradients)
+  else:
+    keras_optimizers.replace_all_reduce_sum_gradients(
+        summing, all_reduce_sum_gradients)
   _install_whole_slot_saving(optimizer, context, items)
   _checkpoint_whole_slots_once_built(optimizer, context)
   object.__setattr__(optimizer, "_tfpar_experts_adopted", True)
@@ -108,13 +115,11 @@ def _checkpoint_whole_slots_once_built(optimizer, context):
 
   def install():
     for entry in whole_entries(optimizer, context):
-      if isinstance(entry, variables_lib.ExpertWeight) and (
-          entry.columns == 1):
-        variables_lib.checkpoint_whole(entry.variable, entry.ranks,
-                                       entry.expert)
-      elif isinstance(entry, variables_lib.ExpertWeight):
+      if isinstance(entry, variables_lib.ExpertWeight):
+        # Under expert x tensor: each tensor column's slot saves its
+        # experts of every rank.
         for slot in entry.variables:
-          variables_lib.refuse_checkpoint(slot)
+          variables_lib.checkpoint_whole(slot, entry.ranks, entry.expert)
 
   if optimizer.built:
     install()

@@ -26,125 +26,8 @@ from tfpar._compat import checkpointing
 from tfpar._compat import keras_layers
 from tfpar.common import piece_terms
 from tfpar.common import split_weights
+from tfpar.expert_parallel.expert_weight import ExpertWeight
 from tfpar.memory import components
-
-
-class ExpertWeight:
-  """The whole [num_experts, ...] view of an expert weight split over the
-  expert group.
-
-  Args:
-    path: the original weight's path.
-    variables: the Keras variable of the local experts, or under
-      expert x tensor one per tensor column (variable k on the k-th device
-      of every replica).
-    ranks: the expert rank of each of their components (local replicas).
-    expert: the expert-group size.
-
-  The experts are split into `expert x columns` equal slots, rank-major:
-  the component of column k on a replica of expert rank j holds slot
-  `j * columns + k`.
-
-  Example:
-
-  >>> weight = ExpertWeight("moe/w", keras.Variable(np.ones((2, 3))), [0], 1)
-  >>> weight.numpy().shape
-  (2, 3)
-  """
-
-  def __init__(self, path, variables, ranks, expert):
-    self.path = path
-    if not isinstance(variables, (list, tuple)):
-      variables = [variables]
-    self.variables = tuple(variables)
-    self._ranks = tuple(ranks)
-    self._expert = expert
-    # Reads the whole weight when some ranks live on other workers (a
-    # collective; set by the strategy, `whole_experts.reader`).
-    self.gather = None
-
-  @property
-  def variable(self):
-    """The variable of the first (or only) column."""
-    return self.variables[0]
-
-  @property
-  def columns(self):
-    return len(self.variables)
-
-  @property
-  def shape(self):
-    local = tuple(self.variable.shape)
-    return (local[0] * self._expert * self.columns,) + local[1:]
-
-  ranks = property(lambda self: self._ranks)
-  expert = property(lambda self: self._expert)
-  dtype = property(lambda self: self.variable.dtype)
-  trainable = property(lambda self: self.variable.trainable)
-  name = property(lambda self: self.path.split("/")[-1])
-
-  def components_by_rank(self):
-    """{expert rank: the first local component holding its experts} (of
-    the first column)."""
-    return {rank: parts[0] for rank, parts in self._parts_by_rank().items()}
-
-  def _parts_by_rank(self):
-    """{expert rank: [its component of each column]}."""
-    found = {}
-    columns = [components(v) for v in self.variables]
-    for position, rank in enumerate(self._ranks):
-      found.setdefault(rank, [parts[position] for parts in columns])
-    return found
-
-  def spans_workers(self):
-    """Whether some expert ranks live on other workers only."""
-    return len(self._parts_by_rank()) < self._expert
-
-  def _missing(self):
-    return sorted(set(range(self._expert)) - set(self._parts_by_rank()))
-
-  def numpy(self):
-    """The whole weight; when some ranks live on other workers, gathered
-    from every worker (each must read the same weights in the same
-    order)."""
-    missing = self._missing()
-    if missing and self.gather is not None:
-      return self.gather()
-    if missing:
-      raise ValueError(
-          f"Expert weight {self.path!r}: the experts of rank(s) {missing} "
-          f"live on other workers, so the whole weight cannot be read here.")
-    by_rank = self._parts_by_rank()
-    return np.concatenate(
-        [np.asarray(part.numpy()) for r in range(self._expert)
-         for part in by_rank[r]], 0)
-
-  def whole_tensor(self):
-    """The whole weight as one tensor (every rank on this worker)."""
-    missing = self._missing()
-    if missing:
-      raise ValueError(
-          f"Expert weight {self.path!r}: the experts of rank(s) {missing} "
-          f"live on other workers (the expert groups span workers).")
-    by_rank = self._parts_by_rank()
-    return tf.concat([tf.convert_to_tensor(part) for r in range(self._expert)
-                      for part in by_rank[r]], 0)
-
-  def assign(self, value):
-    """Sets the whole weight: each component takes its slot's experts."""
-    value = np.asarray(value)
-    if tuple(value.shape) != self.shape:
-      raise ValueError(f"Cannot assign a value of shape {value.shape} to "
-                       f"expert weight {self.path!r} of shape {self.shape}.")
-    pieces = np.split(value, self._expert * self.columns, axis=0)
-    for column, variable in enumerate(self.variables):
-      for rank, component in zip(self._ranks, components(variable)):
-        component.assign(pieces[rank * self.columns + column])
-
-  def __repr__(self):
-    tensor = f" x tensor={self.columns}" if self.columns > 1 else ""
-    return (f"<ExpertWeight path={self.path} shape={self.shape} "
-            f"split over expert={self._expert}{tensor}>")
 
 
 def split_expert_weight(variable, ranks, expert, column_scopes=None):
@@ -203,38 +86,24 @@ def split_expert_weight(variable, ranks, expert, column_scopes=None):
   piece_terms.carry_over(variable, made)
   weight = ExpertWeight(variable.path, made, ranks, expert)
   for column, local in enumerate(made):
-    if columns == 1:
-      checkpoint_whole(local, ranks, expert)
-    else:
-      refuse_checkpoint(local)
-    # Keras's get_weights / set_weights speak whole weights
+    # Under expert x tensor each column's variable saves (and restores) its
+    # experts of every rank; the layer tracks the whole weight (`replace`).
+    checkpoint_whole(local, ranks, expert)
+    # Keras's weight API speaks whole weights
     # (`tfpar.common.whole_weights`): the local variables are the
     # "shards" of their whole weight.
     local._tfpar_shard_of = (weight, column)  # pylint: disable=protected-access
   return weight
 
 
-def refuse_checkpoint(variable):
-  """Makes `tf.train.Checkpoint` refuse `variable`, one tensor column's
-  experts under expert x tensor (saving it alone would write a part of a
-  weight under the whole weight's key)."""
-
-  def refuse(*unused):
-    raise ValueError(
-        f"tf.train.Checkpoint cannot save or restore expert weight "
-        f"{variable.path!r} under expert x tensor parallelism yet. Use "
-        f"model.save_weights / model.save or tfpar.save_weights, which "
-        f"write whole weights.")
-
-  checkpointing.override_saved_tensors(variable, refuse, refuse)
-
-
 def checkpoint_whole(variable, ranks, expert):
   """Makes `tf.train.Checkpoint` save `variable` (a Keras variable whose
   component on each local replica holds that replica's experts, or their
-  optimizer slots) as the whole [num_experts, ...] tensor, and restore each
-  component's experts from it. TF saves a distributed variable's first
-  component alone, which here would be the experts of rank 0 only.
+  optimizer slots) as the tensor of every rank's experts
+  ([num_experts, ...], or under expert x tensor its column's
+  [num_experts / tensor, ...]), and restore each component's experts from
+  it. TF saves a distributed variable's first component alone, which here
+  would be the experts of rank 0 only.
 
   Args:
     variable: a Keras variable of local experts.
@@ -244,29 +113,25 @@ def checkpoint_whole(variable, ranks, expert):
   whole = ExpertWeight(variable.path, variable, ranks, expert)
 
   def serialize_to_tensors():
-    by_rank = whole.components_by_rank()
-    missing = sorted(set(range(expert)) - set(by_rank))
+    missing = sorted(set(range(expert)) - set(whole.components_by_rank()))
     if missing:
       raise ValueError(
           f"tf.train.Checkpoint cannot save expert weight {variable.path!r} "
           f"from this worker: the experts of rank(s) {missing} live on other "
           f"workers. Use tfpar.save_weights(model, path).")
-    return {"VARIABLE_VALUE": tf.concat(
-        [tf.convert_to_tensor(by_rank[r]) for r in range(expert)], 0)}
-
-  def restore_from_tensors(restored_tensors):
-    pieces = tf.split(restored_tensors["VARIABLE_VALUE"], expert, axis=0)
-    return tf.group([component.assign(pieces[rank]) for rank, component
-                     in zip(ranks, components(variable))])
+    return whole.saved_tensors()
 
   checkpointing.override_saved_tensors(variable, serialize_to_tensors,
-                                       restore_from_tensors)
+                                       whole.restore_tensors)
 
 
 def replace(owner, variable, weight):
-  """Puts `weight.variable` where `variable` was in `owner`'s variable
-  lists and attributes, and `weight` in its logical order (whole weights
-  for `tfpar.logical_weights` and `save_weights`)."""
+  """Puts `weight.variables` where `variable` was in `owner`'s variable
+  lists, `weight.variable` among its attributes, and `weight` in its
+  logical order (whole weights for `tfpar.logical_weights` and
+  `save_weights`). `tf.train.Checkpoint` sees the attribute's whole weight
+  (the local variable saving every rank's experts, or under expert x
+  tensor the `ExpertWeight` of every column)."""
   split_weights.record_logical_weight(owner, variable, weight)
   for store in keras_layers.variable_lists(owner):
     for position, item in enumerate(store):
@@ -278,7 +143,8 @@ def replace(owner, variable, weight):
       object.__setattr__(owner, attribute, weight.variable)
       # tf.train.Checkpoint follows tracked attributes: without this the
       # whole variable stays tracked, alive on every device.
-      keras_layers.track(owner, weight.variable, attribute)
+      keras_layers.track(owner, weight if weight.columns > 1
+                         else weight.variable, attribute)
   # Saves and loads `owner`'s logical order (whole weights), as tensor
   # parallelism does for its shards.
   split_weights.install_logical_saving(owner)

@@ -21,6 +21,7 @@ share of the batch, as the pipeline weighs every loss term).
 import keras
 
 from tfpar._compat import keras_layers
+from tfpar.common import whole_weights
 from tfpar.expert_parallel import extended as expert_extended
 from tfpar.expert_parallel import families
 from tfpar.expert_parallel import groups as groups_lib
@@ -109,8 +110,9 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
     expert = self._context.groups.expert
     replicas = self._mesh.replicas
     rows = {}
+    held = whole_weights.held(model)  # `weights` lists them whole.
     for weight in self._context.expert_weights():
-      if not any(weight.variable is v for v in model.weights):
+      if not any(weight.variable is v for v in held):
         continue
       column = self._context.column_of(
           keras_layers.storage(weight.variable))

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 
 from tfpar._compat import keras_layers
+from tfpar.common import whole_weights
 from tfpar.pipeline import cuts as cuts_lib
 
 # Re-exported for the planner, which estimates stages as plan_stages cuts.
@@ -65,7 +66,11 @@ class Stage:
     for layer in self.layers:
       if id(layer) in shared:
         continue
-      for variable in getattr(layer, "weights", ()):
+      # The variables held (tensor shards, local experts), not the whole
+      # weights `layer.weights` lists once a strategy has split them.
+      held = (whole_weights.held(layer)
+              if isinstance(layer, keras.layers.Layer) else ())
+      for variable in held:
         if id(variable) not in seen:
           seen.add(id(variable))
           found.append(variable)

@@ -109,7 +109,7 @@ class GatheredWeight(keras_layers.WholeAssignment):
   def numpy(self):
     return slices.whole(self, self.shape)
 
-  def __array__(self, dtype=None):
+  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
     return np.asarray(self.numpy(), dtype=dtype)
 
   def assign_whole(self, value):
