@@ -26,5 +26,8 @@ def test_expert_groups_inside_and_across_workers_train_like_one_device(
     assert result["4"]["weights"] < 1e-4, result  # Adam (test_moe_layer).
     for expert in ("2", "4"):
       assert result[expert]["shapes"], result
+      # model.weights lists one device's shapes; their values are whole.
+      assert result[expert]["listed"] is not False, result
+      assert result[expert]["listed"] == 0.0, result
       if task == 0:  # What tfpar.save_weights wrote loads on one device.
         assert result[expert]["saved"] == 0.0, result

@@ -6,6 +6,7 @@ and under `ExpertParallelStrategy` with expert 2 (each expert group inside
 a worker) and expert 4 (the group spans both workers), and writes to
 `OUT_DIR/worker<i>.json` the largest differences from one device of the
 losses and of `get_weights` (gathered across the workers for expert 4),
+the difference of `model.weights`' values from `get_weights`,
 and (chief) of a one-device model loading what `tfpar.save_weights`
 wrote.
 
@@ -44,6 +45,12 @@ def main():
         for a, b in zip(weights, reference.get_weights()))
     found["shapes"] = [list(w.shape) for w in weights] == [
         list(w.shape) for w in reference.get_weights()]
+    # Keras's own list, read one weight at a time (with expert 4 each
+    # expert weight's numpy() gathers from both workers).
+    listed = [w.numpy() for w in model.weights]
+    found["listed"] = (
+        [tuple(w.shape) for w in model.weights] ==
+        [tuple(w.shape) for w in reference.weights] and max(float(np.abs(a - b).max()) for a, b in zip(listed, weights)))
     path = os.path.join(out_dir, f"expert{expert}.weights.h5")
     tfpar.save_weights(model, path)  # Every worker; the chief writes.
     if task == 0:
