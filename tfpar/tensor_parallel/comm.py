@@ -57,6 +57,47 @@ def broadcast(x, devices, layer):
   return list(outs)
 
 
+def broadcast_uses(x, uses, devices, layer, round_to):
+  """`x` (float32, on the head) copied to every device once, and handed
+  out there as `uses` separate tensors: one per projection that consumes
+  it. Backward, each use's gradient is summed over the devices in float32
+  and rounded to `round_to` on its own, and the rounded sums are added in
+  `round_to` (in `uses` order), as one device adds the input gradients of
+  several compute-dtype matmuls of one tensor (each rounded once, after
+  its float32 accumulation). Returns a list per device of `uses` tensors.
+  """
+  copies = len(devices) - 1
+
+  @tf.custom_gradient
+  def _broadcast(value):
+    received = _copies([value] * len(devices), devices)
+    outs = []
+    for copy, device in zip(received, devices):
+      with tf.device(device):
+        outs.extend(tf.identity(copy) for _ in range(uses))
+
+    def grad(*upstream):
+      rounded = []
+      for use in range(uses):
+        parts = [u for u in upstream[use::uses] if u is not None]
+        if not parts:
+          continue
+        instrument.record("reduce", instrument.BACKWARD,
+                          instrument.moved_bytes(parts[0], copies), layer)
+        with tf.device(devices[0]):
+          rounded.append(tf.cast(tf.add_n(parts), round_to))
+      with tf.device(devices[0]):
+        if not rounded:
+          return tf.zeros_like(value)
+        return tf.cast(tf.add_n(rounded), value.dtype)
+    return outs, grad
+
+  outs = list(_broadcast(x))
+  instrument.record("broadcast", instrument.FORWARD,
+                    instrument.moved_bytes(x, copies), layer, outs[-1])
+  return [outs[k * uses:(k + 1) * uses] for k in range(len(devices))]
+
+
 def reduce(parts, devices, layer):
   """The sum of the per-device `parts`, on the head device."""
   copies = len(devices) - 1

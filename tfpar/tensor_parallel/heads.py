@@ -73,9 +73,8 @@ def _head_slice(dense, x, head, equation, float32=False):
   compute = dense.compute_dtype
   kernel = keras.ops.cast(_take_head(dense.kernel, head, axis), compute)
   if float32 and compute in ("bfloat16", "float16"):
-    y = keras.ops.cast(keras.ops.einsum(
-        equation, keras.ops.cast(x, "float32"),
-        keras.ops.cast(kernel, "float32")), compute)
+    y = keras.ops.cast(layers_lib.widened_product(x, kernel, equation),
+                       compute)
   else:
     y = keras.ops.einsum(equation, x, kernel)
   if dense.bias is not None:
@@ -94,17 +93,22 @@ def replay(layout, group, sequence_parallel, float32_sums):
   them without Keras's autocast (they cast the operands themselves,
   `layers_lib.project`), so the input gradients coming back are summed in
   float32; its output projection's partial products are summed in float32
-  too. Its other sublayers autocast the inputs back to the compute dtype,
-  exactly (float32 copies of compute-dtype values)."""
+  too. Each projection gets a float32 copy of its own, so that its input
+  gradient is rounded alone, as on one device (`_spread`). Its other
+  sublayers autocast the inputs back to the compute dtype, exactly
+  (float32 copies of compute-dtype values)."""
   layer = layout.layer
   family = families.family_of(layer)
   parts = family.projections(layer)
   original_call = type(layer).call.__get__(layer)
-  state = {"index": None, "tensor_size": None, "shared": None}
+  state = {"index": None, "tensor_size": None, "shared": None, "taps": {}}
+  input_roles = [role for role in parts if role != "output"]
 
   def projection_call(role, dense):
     def call(inputs, training=None):
       del training
+      # This projection's own float32 copy of a spread input, if it has one.
+      inputs = state["taps"].get(id(inputs), {}).get(role, inputs)
       index = state["index"]
       if index is None:  # Run again in the backward pass (ZeRO-3).
         index = _index_of_current_device(group())
@@ -133,17 +137,26 @@ def replay(layout, group, sequence_parallel, float32_sums):
     local = family.local_attributes(layer, tensor_size, per_device)
     leaves = tf.nest.flatten((args, kwargs))
     tensors = [x for x in leaves if tf.is_tensor(x)]
-    copies = {}
+    copies, taps = {}, {}
     for x in tensors:
       if id(x) not in copies:
-        copies[id(x)] = layers_lib.spread(x, devices, layer.name,
-                                          float32_sums)
+        copies[id(x)], taps[id(x)] = _spread(x, devices, layer.name,
+                                             float32_sums, input_roles)
+    tap_order = [(id(x), role) for x in _distinct(tensors)
+                 for role in taps[id(x)][0]]
     mask = backend.get_keras_mask(args[0]) if args else None
 
     partials = []
     for index, device in enumerate(devices):
       def shard_fn(*pieces, index=index):
-        it = iter(pieces)
+        plain, role_pieces = pieces[:len(tensors)], pieces[len(tensors):]
+        by_tensor = {}
+        for (key, role), piece in zip(tap_order, role_pieces):
+          by_tensor.setdefault(key, {})[role] = piece
+        state["taps"] = {id(piece): by_tensor[id(x)]
+                         for x, piece in zip(tensors, plain)
+                         if id(x) in by_tensor}
+        it = iter(plain)
         new_args, new_kwargs = tf.nest.pack_sequence_as(
             (args, kwargs),
             [next(it) if tf.is_tensor(x) else x for x in leaves])
@@ -158,7 +171,7 @@ def replay(layout, group, sequence_parallel, float32_sums):
         finally:
           for name, value in saved.items():
             object.__setattr__(layer, name, value)
-          state["index"] = None
+          state["index"], state["taps"] = None, {}
         if isinstance(result, (tuple, list)):
           raise ValueError(
               f"Layer {layer.name!r} ({type(layer).__name__}) returned "
@@ -168,7 +181,8 @@ def replay(layout, group, sequence_parallel, float32_sums):
               f"without a cache).")
         return result
       partials.append(compute.on_device(
-          device, shard_fn, *[copies[id(x)][index] for x in tensors]))
+          device, shard_fn, *[copies[id(x)][index] for x in tensors],
+          *[taps[key][index][role] for key, role in tap_order]))
     output = layers_lib.combine(partials, devices, layer.name,
                                 layers_lib.finisher(parts["output"]),
                                 sequence_parallel)
@@ -177,6 +191,34 @@ def replay(layout, group, sequence_parallel, float32_sums):
     return output
 
   return call
+
+
+def _distinct(tensors):
+  seen = {}
+  for x in tensors:
+    seen.setdefault(id(x), x)
+  return list(seen.values())
+
+
+def _spread(x, devices, name, float32_sums, roles):
+  """(`x` on every device, [{role: that role's own copy}] per device).
+
+  With `float32_sums`, a half-precision `x` crosses in float32 once and
+  each projection taking it gets a copy of its own, whose input gradient
+  is summed over the devices in float32 and rounded alone before the
+  projections' gradients are added (`comm.broadcast_uses`), as one device
+  rounds each projection's input gradient; without it, or with sequence
+  slices, the projections share `layers_lib.spread`'s copy."""
+  if (not float32_sums or x.dtype not in (tf.bfloat16, tf.float16) or
+      layers_lib.sequence_chunks(x, devices) is not None):
+    whole = layers_lib.spread(x, devices, name, float32_sums)
+    return whole, [{} for _ in devices]
+  with tf.device(x.device or None):
+    wide = tf.cast(x, tf.float32)
+  per_device = comm.broadcast_uses(wide, 1 + len(roles), devices, name,
+                                   x.dtype)
+  return ([uses[0] for uses in per_device],
+          [dict(zip(roles, uses[1:])) for uses in per_device])
 
 
 def multi_head_attention(layout, group, sequence_parallel, float32_sums):

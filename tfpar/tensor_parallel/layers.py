@@ -155,10 +155,9 @@ def project(layer, x, index, equation=None, partial=False, float32=False):
   kernel = _shard(keras_layers.dense_kernel(layer), index)
   widen = float32 and layer.compute_dtype in ("bfloat16", "float16")
   if widen:
-    kernel = ops.cast(ops.cast(kernel, layer.compute_dtype), "float32")
-    x = ops.cast(x, "float32")
-  y = ops.matmul(x, kernel) if equation is None else ops.einsum(
-      equation, x, kernel)
+    y = widened_product(x, ops.cast(kernel, layer.compute_dtype), equation)
+  else:
+    y = _product(x, kernel, equation)
   if widen and partial:
     return y
   if widen:
@@ -166,6 +165,45 @@ def project(layer, x, index, equation=None, partial=False, float32=False):
   if isinstance(layer.bias, variables_lib.ShardedWeight):
     y = ops.add(y, ops.cast(layer.bias.shards[index], y.dtype))
   return y
+
+
+def _product(x, kernel, equation):
+  if equation is None:
+    return ops.matmul(x, kernel)
+  return ops.einsum(equation, x, kernel)
+
+
+def widened_product(x, kernel, equation=None):
+  """`x` times the compute-dtype `kernel` (a matmul, or the einsum
+  `equation`), taken in float32 and returned in float32.
+
+  Backward, `x`'s gradient is taken in float32 (a partial sum to be added
+  over devices, or rounded once by `x`'s cast) and the kernel's as one
+  device takes it: the gradient of the same op on compute-dtype operands.
+  (Keras computes an einsum such as `bqm,muh->bquh` as a batched matmul, whose
+  kernel gradient is a compute-dtype product per batch row, summed; in
+  float32 it would be rounded once instead.)"""
+  compute_dtype = kernel.dtype
+
+  @tf.custom_gradient
+  def product(wide_x, kernel):
+    with tf.GradientTape() as tape:
+      tape.watch(wide_x)
+      y = _product(wide_x, tf.cast(kernel, tf.float32), equation)
+
+    def grad(upstream):
+      dx = tape.gradient(y, wide_x, output_gradients=upstream)
+      narrow_x = tf.cast(wide_x, compute_dtype)  # Exact: compute-dtype values.
+      with tf.GradientTape() as narrow:
+        narrow.watch(kernel)
+        narrow_y = _product(narrow_x, kernel, equation)
+      dkernel = narrow.gradient(
+          narrow_y, kernel,
+          output_gradients=tf.cast(upstream, compute_dtype))
+      return dx, dkernel
+    return y, grad
+
+  return product(ops.cast(x, "float32"), kernel)
 
 
 def finisher(layer):
