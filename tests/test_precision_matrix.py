@@ -42,10 +42,6 @@ LAYOUTS = {
     "data 2 x tensor 2, compute sums": lambda: (tfpar.TensorParallelStrategy(
         tfpar.Mesh({"data": 2, "tensor": 2}), communication_dtype="compute"),
                                                 []),
-    "data 2 x tensor 2, sequence parallel, compute sums": lambda: (
-        tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2, "tensor": 2}),
-                                     sequence_parallel=True,
-                                     communication_dtype="compute"), []),
     "data 2 x pipeline 2, 1F1B": lambda: (tfpar.PipelineParallelStrategy(
         tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2), []),
     "pipeline 2 x tensor 2": lambda: (tfpar.PipelineParallelStrategy(
