@@ -219,7 +219,7 @@ class SpreadVariable:
   def numpy(self):
     return self.read_value().numpy()
 
-  def __array__(self, dtype=None):
+  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
     return np.asarray(self.numpy(), dtype=dtype)
 
   def assign(self, value, use_locking=None, name=None, read_value=True):
