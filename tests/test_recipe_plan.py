@@ -7,6 +7,7 @@ import pytest
 import tfpar
 import tfpar.recipes as recipes
 from tfpar import memory
+from tfpar.common import whole_weights
 from recipe_common import example
 from recipe_common import fit_losses
 
@@ -68,7 +69,7 @@ def _placed_devices(model):
   """{logical path: the describe table's device cell}, from where the
   variables (and their shards `<path>_shard<k>`) really are."""
   by_path = {v.path: [_short(c.device) for c in memory.components(v)]
-             for v in model.weights}
+             for v in whole_weights.held(model)}  # Shards, not whole.
   cells = {}
   for path, devices in by_path.items():
     logical, _, shard = path.rpartition("_shard")

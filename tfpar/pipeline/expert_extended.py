@@ -18,7 +18,6 @@ statistics of micro-batch k summed over every replica (weighted by its
 share of the batch, as the pipeline weighs every loss term).
 """
 
-import keras
 
 from tfpar._compat import keras_layers
 from tfpar.common import whole_weights
@@ -75,13 +74,7 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
 
   def lay_out_elsewhere(self, model, plan):
     """Splits each MoE block's experts onto its stage's devices."""
-    stage_of = {}
-    for stage in plan.stages:
-      shared = {id(l) for l in stage.shared}  # Owned by an earlier stage.
-      for layer in stage.layers:
-        if isinstance(layer, keras.layers.Layer) and id(layer) not in shared:
-          for sub in keras_layers.flatten_layers(layer, include_self=True):
-            stage_of.setdefault(id(sub), stage.index)
+    stage_of = plan.stage_of_layers()
     for block, _ in families.moe_blocks(model):
       if id(block) not in stage_of:
         raise ValueError(

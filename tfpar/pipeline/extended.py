@@ -11,12 +11,10 @@ share of the batch and the engine all-reduces each stage's gradients
 among the s-th devices of the replicas.
 """
 
-import keras
 import numpy as np
 
 from tfpar import batches
 from tfpar import keras_hooks
-from tfpar._compat import keras_layers
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
@@ -137,13 +135,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
 
   def _shard_stages(self, model, plan, layer_layouts):
     """Splits each stage's layers over the stage's tensor group."""
-    stage_of = {}
-    for stage in plan.stages:
-      shared = {id(l) for l in stage.shared}  # Owned by an earlier stage.
-      for layer in stage.layers:
-        if isinstance(layer, keras.layers.Layer) and id(layer) not in shared:
-          for sub in keras_layers.flatten_layers(layer, include_self=True):
-            stage_of[id(sub)] = stage.index
+    stage_of = plan.stage_of_layers()
     by_stage = {stage.index: [l for l in layer_layouts
                               if stage_of.get(id(l.layer)) == stage.index]
                 for stage in plan.stages}

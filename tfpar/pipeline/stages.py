@@ -116,6 +116,19 @@ class StagePlan:
               for r in rows]
     return "\n".join(lines)
 
+  def stage_of_layers(self):
+    """{id(layer): index of the stage that owns it}, for every layer and
+    sub-layer a stage owns (not the ones it shares from an earlier
+    stage)."""
+    found = {}
+    for stage in self.stages:
+      shared = {id(l) for l in stage.shared}
+      for layer in stage.layers:
+        if isinstance(layer, keras.layers.Layer) and id(layer) not in shared:
+          for sub in keras_layers.flatten_layers(layer, include_self=True):
+            found.setdefault(id(sub), stage.index)
+    return found
+
   @property
   def imbalance(self):
     """Most expensive stage over the mean stage cost (1.0 is perfect)."""

@@ -13,7 +13,7 @@ from tfpar.pipeline import experts
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
 from tfpar.pipeline import schedules
-from tfpar.tensor_parallel import layers as tensor_layers
+from tfpar.tensor_parallel import rounding as tensor_rounding
 from tfpar.tensor_parallel import plan as plan_lib
 
 
@@ -128,7 +128,7 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
           f"num_microbatches must be a positive integer. Received: "
           f"num_microbatches={num_microbatches!r}")
     schedules.check_interleaving(schedule, virtual_stages, 1, None)
-    self._float32_sums = tensor_layers.float32_sums(communication_dtype)
+    self._float32_sums = tensor_rounding.float32_sums(communication_dtype)
     if stages != "auto" and (
         isinstance(stages, str) or
         not all(isinstance(name, str) for name in stages)):

@@ -31,6 +31,7 @@ from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import styles
 
 
@@ -73,7 +74,7 @@ def _head_slice(dense, x, head, equation, float32=False):
   compute = dense.compute_dtype
   kernel = keras.ops.cast(_take_head(dense.kernel, head, axis), compute)
   if float32 and compute in ("bfloat16", "float16"):
-    y = keras.ops.cast(layers_lib.widened_product(x, kernel, equation),
+    y = keras.ops.cast(rounding.widened_product(x, kernel, equation),
                        compute)
   else:
     y = keras.ops.einsum(equation, x, kernel)

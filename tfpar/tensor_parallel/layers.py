@@ -29,6 +29,7 @@ from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import regions
+from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import styles
 from tfpar.tensor_parallel import variables as variables_lib
 
@@ -70,31 +71,6 @@ def sequence_chunks(tensor, devices):
   return _parts(tensor, _SEQUENCE_ATTRIBUTE, SEQUENCE_AXIS, devices)
 
 
-COMMUNICATION_DTYPES = ("float32", "compute")
-
-
-def float32_sums(communication_dtype):
-  """Whether a strategy's `communication_dtype` adds partial sums in
-  float32; raises a ValueError for anything but "float32" and "compute"."""
-  if communication_dtype not in COMMUNICATION_DTYPES:
-    raise ValueError(
-        f"communication_dtype must be 'float32' (partial sums added in "
-        f"float32 and rounded once, as one device's matmul: training within "
-        f"stock Mirrored's spread) or 'compute' (the Keras policy's compute "
-        f"dtype, as Megatron-LM communicates: half those bytes under a "
-        f"mixed policy). Received: communication_dtype="
-        f"{communication_dtype!r}")
-  return communication_dtype == "float32"
-
-
-def _widened(x):
-  """`x` in float32 where it is (half-precision activations only)."""
-  if x.dtype not in (tf.bfloat16, tf.float16):
-    return x
-  with tf.device(x.device or None):
-    return tf.cast(x, tf.float32)
-
-
 def spread(x, devices, name, float32=False):
   """`x` whole on every device: all-gathered from its sequence slices if it
   has them, else broadcast from the head; with `float32`, a half-precision
@@ -103,9 +79,9 @@ def spread(x, devices, name, float32=False):
   chunks = sequence_chunks(x, devices)
   if chunks is not None:
     if float32:
-      chunks = [_widened(c) for c in chunks]
+      chunks = [rounding.widened(c) for c in chunks]
     return comm.all_gather(chunks, SEQUENCE_AXIS, devices, name)
-  return comm.broadcast(_widened(x) if float32 else x, devices, name)
+  return comm.broadcast(rounding.widened(x) if float32 else x, devices, name)
 
 
 def _splits_sequence(tensor, devices, name):
@@ -155,9 +131,10 @@ def project(layer, x, index, equation=None, partial=False, float32=False):
   kernel = _shard(keras_layers.dense_kernel(layer), index)
   widen = float32 and layer.compute_dtype in ("bfloat16", "float16")
   if widen:
-    y = widened_product(x, ops.cast(kernel, layer.compute_dtype), equation)
+    y = rounding.widened_product(
+        x, ops.cast(kernel, layer.compute_dtype), equation)
   else:
-    y = _product(x, kernel, equation)
+    y = rounding.product(x, kernel, equation)
   if widen and partial:
     return y
   if widen:
@@ -165,45 +142,6 @@ def project(layer, x, index, equation=None, partial=False, float32=False):
   if isinstance(layer.bias, variables_lib.ShardedWeight):
     y = ops.add(y, ops.cast(layer.bias.shards[index], y.dtype))
   return y
-
-
-def _product(x, kernel, equation):
-  if equation is None:
-    return ops.matmul(x, kernel)
-  return ops.einsum(equation, x, kernel)
-
-
-def widened_product(x, kernel, equation=None):
-  """`x` times the compute-dtype `kernel` (a matmul, or the einsum
-  `equation`), taken in float32 and returned in float32.
-
-  Backward, `x`'s gradient is taken in float32 (a partial sum to be added
-  over devices, or rounded once by `x`'s cast) and the kernel's as one
-  device takes it: the gradient of the same op on compute-dtype operands.
-  (Keras computes an einsum such as `bqm,muh->bquh` as a batched matmul, whose
-  kernel gradient is a compute-dtype product per batch row, summed; in
-  float32 it would be rounded once instead.)"""
-  compute_dtype = kernel.dtype
-
-  @tf.custom_gradient
-  def product(wide_x, kernel):
-    with tf.GradientTape() as tape:
-      tape.watch(wide_x)
-      y = _product(wide_x, tf.cast(kernel, tf.float32), equation)
-
-    def grad(upstream):
-      dx = tape.gradient(y, wide_x, output_gradients=upstream)
-      narrow_x = tf.cast(wide_x, compute_dtype)  # Exact: compute-dtype values.
-      with tf.GradientTape() as narrow:
-        narrow.watch(kernel)
-        narrow_y = _product(narrow_x, kernel, equation)
-      dkernel = narrow.gradient(
-          narrow_y, kernel,
-          output_gradients=tf.cast(upstream, compute_dtype))
-      return dx, dkernel
-    return y, grad
-
-  return product(ops.cast(x, "float32"), kernel)
 
 
 def finisher(layer):

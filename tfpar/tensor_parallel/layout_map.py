@@ -39,8 +39,8 @@ class LayoutMapPlan(plan_lib.ShardingPlan):
             f"LayoutMap {axes}" if axes else "not in the LayoutMap")
     return replicate
 
-  def resolve(self, model, tensor_size):
-    resolved = super().resolve(model, tensor_size)
+  def resolve(self, model, tensor_size, elsewhere=()):
+    resolved = super().resolve(model, tensor_size, elsewhere)
     # Megatron's answer to fewer key/value heads than devices (each device
     # computes the head its query heads share) carries out a split too.
     split = {v.path for layout in resolved for v in layout.variables

@@ -3,7 +3,7 @@
 
 from tfpar.engine import strategy as engine_strategy
 from tfpar.tensor_parallel import extended as extended_lib
-from tfpar.tensor_parallel import layers as layers_lib
+from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import plan as plan_lib
 
 
@@ -60,7 +60,7 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
     if not isinstance(sequence_parallel, bool):
       raise ValueError(f"sequence_parallel must be True or False. Received: "
                        f"sequence_parallel={sequence_parallel!r}")
-    self._float32_sums = layers_lib.float32_sums(communication_dtype)
+    self._float32_sums = rounding.float32_sums(communication_dtype)
     self._plan = plan_lib.as_plan(plan)
     self._sequence_parallel = sequence_parallel
     super().__init__(mesh, communication_options)
