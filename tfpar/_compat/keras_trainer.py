@@ -9,7 +9,14 @@ models they must lay out, and training unsharded would be the silent
 result of a rename, so each accessor checks what it reads.
 """
 
+import functools
+import inspect
+
+import tensorflow as tf
+
+from tfpar._compat.checks import Incompatible
 from tfpar._compat.checks import require
+from tfpar._compat.keras_modules import backend
 from tfpar._compat.keras_modules import tf_trainer
 
 require(tf_trainer.TensorFlowTrainer, "_aggregate_additional_loss",
@@ -39,3 +46,27 @@ def scaled_layer_loss(model, loss):
 def loss_tracker(model):
   """The metric `fit` logs as "loss"."""
   return require(model, "_loss_tracker", "the logged loss")
+
+
+# The name Keras gives the graph its shape inference traces into.
+_SHAPE_INFERENCE_GRAPH = "scratch_graph"
+
+
+@functools.cache
+def _check_shape_inference_graph():
+  if _SHAPE_INFERENCE_GRAPH not in inspect.getsource(
+      backend.compute_output_spec):
+    raise Incompatible(
+        f"tfpar recognizes Keras's shape inference by its graph's name "
+        f"{_SHAPE_INFERENCE_GRAPH!r}, which this Keras's "
+        f"compute_output_spec no longer uses; update "
+        f"tfpar/_compat/keras_trainer.py.")
+
+
+def in_shape_inference():
+  """Whether ops are being traced into the throw-away graph of Keras's
+  shape inference (`compute_output_spec`: a functional model's layer
+  calls, `fit` building a model), which never runs."""
+  _check_shape_inference_graph()
+  name = getattr(tf.compat.v1.get_default_graph(), "name", "")  # FuncGraph.
+  return name.startswith(_SHAPE_INFERENCE_GRAPH)

@@ -25,3 +25,25 @@ def clip_by_norm_of(grad, square_sum, clipnorm):
   return ops.multiply(grad, clipnorm) / ops.maximum(norm, clipnorm)
 
 
+
+
+def clips(optimizer):
+  """Whether `optimizer` (or the inner optimizer of a loss-scale one)
+  clips gradients: a positive `clipnorm`, `global_clipnorm` or `clipvalue`,
+  as Keras's `_clip_gradients` reads them.
+
+  Args:
+    optimizer: a Keras optimizer.
+
+  Example:
+
+  >>> import keras
+  >>> from tfpar.common.clipping import clips
+  >>> clips(keras.optimizers.SGD(global_clipnorm=1.0))
+  True
+  >>> clips(keras.optimizers.Adam())
+  False
+  """
+  inner = getattr(optimizer, "inner_optimizer", optimizer)
+  return any(value and value > 0 for value in (
+      inner.clipnorm, inner.global_clipnorm, inner.clipvalue))

@@ -65,7 +65,30 @@ class LogicalTensor(trackable_base.Trackable):
     self.assign(restored_tensors[VARIABLE_VALUE])
 
 
-class ShardedWeight(LogicalTensor):
+class WholeWeightView:
+  """What a whole view of a weight held in pieces (`ShardedWeight`, an
+  expert weight) shares with a Keras variable, given its `path`, `shape`,
+  `numpy()` and `value`: `name`, `ndim`, `np.asarray(weight)` and
+  `tf.convert_to_tensor(weight)` (as Keras ops read a variable)."""
+
+  name = property(lambda self: self.path.split("/")[-1])
+  ndim = property(lambda self: len(self.shape))
+
+  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
+    """`np.asarray(weight)`: the whole weight (a new array)."""
+    return self.numpy() if dtype is None else self.numpy().astype(dtype)
+
+
+def _as_tensor(value, dtype=None, name=None, as_ref=False):  # pylint: disable=unused-argument
+  return value.value  # TensorFlow checks `dtype` against it, as for a tensor.
+
+
+# `tf.convert_to_tensor(weight)` and Keras ops read a whole weight listed in
+# `model.weights` as they read a variable.
+tf.register_tensor_conversion_function(WholeWeightView, _as_tensor)
+
+
+class ShardedWeight(WholeWeightView, LogicalTensor):
   """The logical (whole) view of one weight split over the `tensor` axis.
 
   Shard `k` is a Keras variable on the k-th device of every replica. Reading
@@ -97,31 +120,16 @@ class ShardedWeight(LogicalTensor):
   axis = property(lambda self: self.layout.axis)
   dtype = property(lambda self: self.shards[0].dtype)
   trainable = property(lambda self: self.shards[0].trainable)
-  name = property(lambda self: self.layout.path.split("/")[-1])
-
-  ndim = property(lambda self: len(self.layout.shape))
 
   @property
   def value(self):
     """The whole weight as one tensor (a gather of the shards)."""
     return self._serialize_to_tensors()[VARIABLE_VALUE]
 
-  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
-    """`np.asarray(weight)`: the whole weight (a new array)."""
-    return self.numpy() if dtype is None else self.numpy().astype(dtype)
-
   def __repr__(self):
     return (f"<ShardedWeight path={self.path} shape={self.shape} "
             f"{self.layout.style} axis={self.axis} shards={len(self.shards)}>")
 
-
-def _as_tensor(value, dtype=None, name=None, as_ref=False):  # pylint: disable=unused-argument
-  return value.value  # TensorFlow checks `dtype` against it, as for a tensor.
-
-
-# `tf.convert_to_tensor(weight)` and Keras ops read a whole weight listed in
-# `model.weights` as they read a variable.
-tf.register_tensor_conversion_function(ShardedWeight, _as_tensor)
 
 
 def record_logical_weight(owner, variable, weight):

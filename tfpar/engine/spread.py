@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar._compat import keras_layers
+from tfpar._compat import keras_trainer
 
 _disabled = threading.local()
 _ids = itertools.count()
@@ -201,9 +202,7 @@ class SpreadVariable:
     if tf.executing_eagerly():  # Every worker reads it: a collective.
       flat = tf.constant(self._gather(self.parts))
       return tf.reshape(flat[:self._shape.num_elements()], self._shape)
-    # Keras's shape inference (a functional model's layer calls) traces
-    # into a throw-away "scratch_graph" that never runs.
-    if tf.compat.v1.get_default_graph().name.startswith("scratch_graph"):
+    if keras_trainer.in_shape_inference():  # A graph that never runs.
       return tf.zeros(self._shape, self._dtype)
     raise ValueError(
         f"Weight {self._name!r} is created sliced over several workers "

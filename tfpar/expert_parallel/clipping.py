@@ -26,27 +26,6 @@ from tfpar.common.clipping import clip_by_norm_of
 from tfpar.common.split_weights import sharded_weights
 
 
-def clips(optimizer):
-  """Whether `optimizer` (or the inner optimizer of a loss-scale one)
-  clips gradients.
-
-  Args:
-    optimizer: a Keras optimizer.
-
-  Example:
-
-  >>> import keras
-  >>> from tfpar.expert_parallel import clipping
-  >>> clipping.clips(keras.optimizers.SGD(global_clipnorm=1.0))
-  True
-  >>> clipping.clips(keras.optimizers.Adam())
-  False
-  """
-  inner = getattr(optimizer, "inner_optimizer", optimizer)
-  return any(getattr(inner, name, None) for name in (
-      "clipnorm", "global_clipnorm", "clipvalue"))
-
-
 def install(optimizer, context, model, all_reduce_sum):
   """Makes `optimizer` skip Keras's per-replica clipping and clip after
   `all_reduce_sum(grads_and_vars)` (the expert-parallel sums) by the norms

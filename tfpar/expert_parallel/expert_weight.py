@@ -17,10 +17,11 @@ import tensorflow as tf
 
 from tfpar._compat.tf_modules import trackable_base
 from tfpar.common.split_weights import VARIABLE_VALUE
+from tfpar.common.split_weights import WholeWeightView
 from tfpar.memory import components
 
 
-class ExpertWeight(trackable_base.Trackable):
+class ExpertWeight(WholeWeightView, trackable_base.Trackable):
   """The whole [num_experts, ...] view of an expert weight split over the
   expert group.
 
@@ -79,8 +80,6 @@ class ExpertWeight(trackable_base.Trackable):
   expert = property(lambda self: self._expert)
   dtype = property(lambda self: self.variable.dtype)
   trainable = property(lambda self: self.variable.trainable)
-  name = property(lambda self: self.path.split("/")[-1])
-  ndim = property(lambda self: len(self.shape))
   # Keras reads these from the lists it derives from `weights` (as
   # regularization losses do); split experts refuse regularizers.
   regularizer = property(lambda self: getattr(self.variable, "regularizer",
@@ -142,10 +141,6 @@ class ExpertWeight(trackable_base.Trackable):
     """The whole weight as one tensor (every rank on this worker)."""
     return self.whole_tensor()
 
-  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
-    """`np.asarray(weight)`: the whole weight (a new array)."""
-    return self.numpy() if dtype is None else self.numpy().astype(dtype)
-
   def assign(self, value):
     """Sets the whole weight: each component takes its slot's experts."""
     value = np.asarray(value)
@@ -184,11 +179,3 @@ class ExpertWeight(trackable_base.Trackable):
     return (f"<ExpertWeight path={self.path} shape={self.shape} "
             f"split over expert={self._expert}{tensor}>")
 
-
-def _as_tensor(value, dtype=None, name=None, as_ref=False):  # pylint: disable=unused-argument
-  return value.value  # TensorFlow checks `dtype` against it.
-
-
-# `tf.convert_to_tensor(weight)` and Keras ops read an expert weight listed
-# in `model.weights` as they read a variable.
-tf.register_tensor_conversion_function(ExpertWeight, _as_tensor)

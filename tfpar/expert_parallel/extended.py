@@ -174,8 +174,10 @@ class ExpertSplitting:
     del block
     return 0
 
-  def split_experts(self, model):
-    """Splits the experts of every MoE block of a built model.
+  def checked_blocks(self, model, unsplit=False):
+    """`model`'s (block, family) MoE blocks, each checked to fit the
+    expert group (x the tensor columns); with `unsplit`, only those whose
+    experts are not split yet.
 
     Raises:
       ValueError: the model has no MoE block, or a block whose experts or
@@ -188,12 +190,29 @@ class ExpertSplitting:
           f"tfpar can split (known: "
           f"{', '.join(f.name for f in families.FAMILIES)}); use "
           f"tfpar.DataParallelStrategy for it.")
-    expert = self._context.groups.expert
     for block, family in blocks:
-      check_block(block, expert, self._context.columns)
+      check_block(block, self._context.groups.expert, self._context.columns)
       check_layout(block, family)
-    blocks = [(block, family) for block, family in blocks
-              if not getattr(block, "_tfpar_experts_split", False)]
+    return [(block, family) for block, family in blocks
+            if not (unsplit and getattr(block, "_tfpar_experts_split", False))]
+
+  def expert_weight_paths(self, model, unsplit=False):
+    """Paths of the expert weights of `model`'s `checked_blocks`: the
+    weights this layout splits, which the other parallelism of the mesh
+    must leave where they were created."""
+    return frozenset(
+        getattr(block.expert_bank, name).path
+        for block, family in self.checked_blocks(model, unsplit)
+        for name in family.expert_weight_names)
+
+  def split_experts(self, model):
+    """Splits the experts of every MoE block of a built model.
+
+    Raises:
+      ValueError: the model has no MoE block, or a block whose experts or
+        top-k do not fit the expert size.
+    """
+    blocks = self.checked_blocks(model, unsplit=True)
     optimizer = getattr(model, "optimizer", None)
     if blocks and optimizer is not None and optimizer.built:
       raise ValueError(
@@ -208,7 +227,8 @@ class ExpertSplitting:
         for name in family.expert_weight_names:
           variable = getattr(bank, name)
           weight = variables_lib.split_expert_weight(
-              variable, ranks, expert, self.column_scopes(block))
+              variable, ranks, self._context.groups.expert,
+              self.column_scopes(block))
           weight.gather = whole_experts.reader(self._context, weight)
           variables_lib.replace(bank, variable, weight)
           self._context.register(weight, block, self.first_column(block))

@@ -10,6 +10,7 @@
 import tensorflow as tf
 
 from tfpar._compat import keras_optimizers
+from tfpar.common.clipping import clips
 from tfpar.engine import whole_state
 from tfpar.expert_parallel import clipping
 from tfpar.expert_parallel import comm
@@ -61,7 +62,7 @@ def adopt(optimizer, context, items=None, clip_model=None):
     return [(summed[i], v) if i in chosen else next(reduced_others)
             for i, (_, v) in enumerate(pairs)]
 
-  if clip_model is not None and clipping.clips(summing):
+  if clip_model is not None and clips(summing):
     clipping.install(summing, context, clip_model, all_reduce_sum_gradients)
   else:
     keras_optimizers.replace_all_reduce_sum_gradients(

@@ -26,7 +26,6 @@ from tfpar.common.split_weights import logical_entries
 from tfpar.common.split_weights import sharded_weights
 from tfpar.common import whole_weights
 from tfpar.expert_parallel import extended as expert_extended
-from tfpar.expert_parallel import families
 from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import optimizer as expert_optimizer
 from tfpar.tensor_parallel import compute
@@ -79,22 +78,11 @@ class ExpertTensorParallelExtended(expert_extended.ExpertSplitting,
   def laid_out_elsewhere(self, model):
     """The expert weights of `model`'s MoE blocks (checked to fit the
     expert group x tensor before anything is laid out)."""
-    paths = set()
-    for block, family in families.moe_blocks(model):
-      expert_extended.check_block(block, self._context.groups.expert,
-                                  self.tensor_size)
-      expert_extended.check_layout(block, family)
-      if getattr(block, "_tfpar_experts_split", False):
-        continue
-      bank = block.expert_bank
-      paths.update(getattr(bank, name).path
-                   for name in family.expert_weight_names)
-    return frozenset(paths)
+    return self.expert_weight_paths(model, unsplit=True)
 
   def prepare_model(self, model):
     if model.built and not super().is_prepared(model):
-      if not families.moe_blocks(model):
-        self.split_experts(model)  # Raises: no MoE layer.
+      self.checked_blocks(model)  # Raises: no MoE layer, or one that misfits.
       self.shard_model(model)
     if model.built and not getattr(model, "_tfpar_experts_split", False):
       self.split_experts(model)

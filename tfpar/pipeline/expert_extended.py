@@ -60,17 +60,7 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
   def laid_out_elsewhere(self, model):
     """The expert weights of `model`'s MoE blocks, checked to fit the
     expert group before anything moves."""
-    blocks = families.moe_blocks(model)
-    if not blocks:
-      self.split_experts(model)  # Raises: no MoE layer.
-    paths = set()
-    for block, family in blocks:
-      expert_extended.check_block(block, self._context.groups.expert)
-      expert_extended.check_layout(block, family)
-      bank = block.expert_bank
-      paths.update(getattr(bank, name).path
-                   for name in family.expert_weight_names)
-    return frozenset(paths)
+    return self.expert_weight_paths(model)
 
   def lay_out_elsewhere(self, model, plan):
     """Splits each MoE block's experts onto its stage's devices."""

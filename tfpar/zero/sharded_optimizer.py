@@ -25,6 +25,7 @@ import tensorflow as tf
 from tfpar._compat import distribute
 from tfpar._compat import keras_optimizers
 from tfpar.common.clipping import clip_by_norm_of
+from tfpar.common.clipping import clips
 from tfpar.zero import collectives
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients
@@ -192,13 +193,13 @@ def shard(optimizer, state):
 def _apply_sharded(optimizer, state, grads, variables):
   entries = [state.entries[id(v)] for v in variables]
   if state.stage == 3:  # The tape's gradients are reduced slices.
-    reduce = lambda gs: [tf.convert_to_tensor(g) if _clips(optimizer) else g
+    reduce = lambda gs: [tf.convert_to_tensor(g) if clips(optimizer) else g
                          for g in gs]
   else:
     reduce = lambda gs: _reduce_scattered(state, gs, entries)
   steps = optimizer.gradient_accumulation_steps
   if not steps:
-    if state.stage != 3 and not _clips(optimizer):
+    if state.stage != 3 and not clips(optimizer):
       # Sparse gradients as MirroredStrategy applies them.
       reduce = lambda gs: _reduce_scattered(state, gs, entries, sparse=True)
     keras_optimizers.update_step(optimizer, reduce(grads), variables,
@@ -248,12 +249,6 @@ def _reduce_scattered(state, grads, entries, sparse=False):
   for index, flat in zip(dense, flats):
     reduced[index] = flat
   return reduced
-
-
-def _clips(optimizer):
-  """Whether the optimizer clips gradients (ZeRO clips dense slices)."""
-  return any(value and value > 0 for value in (
-      optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue))
 
 
 def _update(optimizer, state, entries, grad_slices):

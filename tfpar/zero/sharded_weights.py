@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar._compat import keras_layers
+from tfpar._compat import keras_trainer
 from tfpar._compat.keras_modules import keras_variables
 from tfpar.common import instrument
 from tfpar.engine import spread
@@ -91,10 +92,7 @@ class GatheredWeight(keras_layers.WholeAssignment):
     """The whole weight when its slices are spread over workers."""
     if tf.executing_eagerly():  # Every worker reads it: a collective.
       return tf.constant(slices.whole(self, self.shape))
-    graph = tf.compat.v1.get_default_graph()
-    # Keras's shape inference (`compute_output_spec`, as `fit` builds the
-    # model) traces into a throw-away "scratch_graph" that never runs.
-    if graph.name.startswith("scratch_graph"):
+    if keras_trainer.in_shape_inference():  # A graph that never runs.
       return tf.zeros(self.shape, self.dtype)
     raise ValueError(
         f"Weight {self.path!r} is sharded by tfpar.ZeRO(stage=3) over "
