@@ -1,7 +1,10 @@
 """Test set-up: 4 virtual CPU devices before TensorFlow starts."""
 
 import os
+import resource
 import sys
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -9,18 +12,63 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tfpar  # pylint: disable=g-import-not-at-top
 
 NUM_TEST_DEVICES = 4
+_CPU = pytest.StashKey[dict]()
 tfpar.configure_virtual_cpus(NUM_TEST_DEVICES)
 
 
+def _cpu_seconds():
+  """CPU seconds of this process and of its finished child processes (the
+  workers a multi-worker test starts)."""
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+  start = _cpu_seconds()
+  yield
+  item.stash[_CPU] = {"setup": _cpu_seconds() - start}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+  start = _cpu_seconds()
+  yield
+  item.stash.setdefault(_CPU, {})["call"] = _cpu_seconds() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+  start = _cpu_seconds()
+  yield
+  item.stash.setdefault(_CPU, {})["teardown"] = _cpu_seconds() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  seconds = item.stash.get(_CPU, {}).get(call.when)
+  if seconds is not None:  # Carried to the xdist controller with the report.
+    outcome.get_result().user_properties.append(("cpu_seconds", seconds))
+
+
 def pytest_terminal_summary(terminalreporter):
-  """Seconds per test file, slowest first: where the suite's time goes."""
-  seconds = {}
+  """Wall and CPU seconds per test file, slowest first: where the suite's
+  time goes. The CPU seconds add up to what the suite costs whatever runs
+  beside it: on CI's 2 cores the run takes at least their sum / 2."""
+  wall, cpu = {}, {}
   for reports in terminalreporter.stats.values():
     for report in reports:
       if getattr(report, "when", None) and hasattr(report, "duration"):
         path = report.nodeid.split("::")[0]
-        seconds[path] = seconds.get(path, 0.0) + report.duration
-  if seconds:
-    terminalreporter.write_sep("-", "seconds per test file")
-    for path, total in sorted(seconds.items(), key=lambda item: -item[1]):
-      terminalreporter.write_line(f"{total:8.1f}  {path}")
+        wall[path] = wall.get(path, 0.0) + report.duration
+        cpu[path] = cpu.get(path, 0.0) + sum(
+            value for name, value in getattr(report, "user_properties", ())
+            if name == "cpu_seconds")
+  if wall:
+    terminalreporter.write_sep("-", "wall and CPU seconds per test file")
+    for path, total in sorted(wall.items(), key=lambda item: -item[1]):
+      terminalreporter.write_line(f"{total:8.1f} {cpu[path]:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(wall.values()):8.1f} "
+                                f"{sum(cpu.values()):8.1f}  total")
