@@ -98,6 +98,38 @@ def broadcast_uses(x, uses, devices, layer, round_to):
   return [outs[k * uses:(k + 1) * uses] for k in range(len(devices))]
 
 
+def hand_out(pieces, targets, source, layer):
+  """Pieces made on `source`, piece k moved to `targets[k]`: a scatter
+  whose split `source` made itself (a shared key/value head repeated for
+  the query heads of the devices sharing it). Backward, each piece's
+  gradient moves back to `source`.
+
+  Args:
+    pieces: tensors on `source`.
+    targets: a device for each piece.
+    source: the device that made them.
+    layer: name for the `CommunicationLog`.
+
+  Returns:
+    The pieces, each on its target.
+  """
+  sizes = [instrument.moved_bytes(p, 1) for p in pieces]
+  moved = None if None in sizes else sum(sizes)
+
+  @tf.custom_gradient
+  def _hand_out(*values):
+    def grad(*upstream):
+      instrument.record("gather", instrument.BACKWARD, moved, layer)
+      with tf.device(source):
+        return [tf.zeros_like(v) if u is None else tf.identity(u)
+                for u, v in zip(upstream, values)]
+    return _copies(values, targets), grad
+
+  outs = list(_hand_out(*pieces))
+  instrument.record("scatter", instrument.FORWARD, moved, layer, outs[-1])
+  return outs
+
+
 def reduce(parts, devices, layer):
   """The sum of the per-device `parts`, on the head device."""
   copies = len(devices) - 1

@@ -16,8 +16,10 @@ counts comes from `families.py`.
 Key/value heads: with at least as many as the tensor size they are split
 with the query heads. With fewer (multi-query and grouped-query models,
 when tensor % key_value_heads == 0) the key/value kernels stay whole and
-each device computes the one key/value head its query heads share, as
-Megatron and vLLM replicate them; their gradient is the sum over devices.
+each head is computed once, by the first device sharing it, and handed to
+the others, as one device repeats it (`shared_heads.py`); in Gemma and
+under ZeRO-3 every sharing device computes it, as Megatron and vLLM
+replicate them.
 """
 
 import keras
@@ -30,9 +32,7 @@ from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layers as layers_lib
-from tfpar.tensor_parallel import layouts
-from tfpar.tensor_parallel import rounding
-from tfpar.tensor_parallel import styles
+from tfpar.tensor_parallel import shared_heads
 
 
 
@@ -55,38 +55,6 @@ def _index_of_current_device(devices):
       f"tensor group's devices {list(devices)}.")
 
 
-def _take_head(variable, head, axis):
-  """Head `head` of `variable` along `axis`, kept as an axis of size 1.
-
-  A strided slice, not a gather: a gather along axis 0 would give the
-  variable a sparse gradient, which Adam updates differently."""
-  index = [slice(None)] * len(variable.shape)
-  index[axis] = slice(head, head + 1)
-  return tf.convert_to_tensor(variable)[tuple(index)]
-
-
-def _head_slice(dense, x, head, equation, float32=False):
-  """`dense` on `x` restricted to head `head` of its whole kernel; with
-  `float32`, as `layers_lib.project` computes (its input may be float32)."""
-  letter = layouts.einsum_split_letter(equation, styles.COLUMN)
-  _, kernel_letters, output = layouts.einsum_letters(equation)
-  axis = kernel_letters.index(letter)
-  compute = dense.compute_dtype
-  kernel = keras.ops.cast(_take_head(dense.kernel, head, axis), compute)
-  if float32 and compute in ("bfloat16", "float16"):
-    y = keras.ops.cast(rounding.widened_product(x, kernel, equation),
-                       compute)
-  else:
-    y = keras.ops.einsum(equation, x, kernel)
-  if dense.bias is not None:
-    bias = dense.bias
-    if letter in (dense.bias_axes or ""):
-      bias_axis = len(bias.shape) + output.index(letter) - len(output)
-      bias = _take_head(bias, head, bias_axis)
-    y = keras.ops.add(y, keras.ops.cast(bias, y.dtype))
-  return y
-
-
 def replay(layout, group, sequence_parallel, float32_sums):
   """The tensor-parallel `call` of a registered attention layer.
 
@@ -102,8 +70,11 @@ def replay(layout, group, sequence_parallel, float32_sums):
   family = families.family_of(layer)
   parts = family.projections(layer)
   original_call = type(layer).call.__get__(layer)
-  state = {"index": None, "tensor_size": None, "shared": None, "taps": {}}
+  state = {"index": None, "sharing": None, "taps": {}}
   input_roles = [role for role in parts if role != "output"]
+  rotary = shared_heads.rotary_of(layer)
+  exchange = shared_heads.Exchange(rotary) if rotary is not None else None
+  calls = {}
 
   def projection_call(role, dense):
     def call(inputs, training=None):
@@ -116,17 +87,24 @@ def replay(layout, group, sequence_parallel, float32_sums):
       if role == "output":
         return layers_lib.project(dense, inputs, index, dense.equation,
                                   partial=True, float32=float32_sums)
-      if role != "query" and state["shared"]:
-        head = index // (state["tensor_size"] // state["shared"])
-        y = _head_slice(dense, inputs, head, dense.equation, float32_sums)
-      else:
+      sharing = state["sharing"]
+      if role == "query" or not sharing:
         y = layers_lib.project(dense, inputs, index, dense.equation,
                                float32=float32_sums)
-      return y if dense.activation is None else dense.activation(y)
+      elif sharing.computes(index):
+        y = shared_heads.head_slice(dense, inputs, sharing.head(index),
+                                    float32_sums)
+      else:
+        y = shared_heads.placeholder(dense, inputs)  # Handed out instead.
+      y = y if dense.activation is None else dense.activation(y)
+      if role != "query" and sharing and sharing.handed_out:
+        y = exchange.projected(role, y)
+      return y
     return call
 
   for role, dense in parts.items():
-    object.__setattr__(dense, "call", projection_call(role, dense))
+    calls[role] = projection_call(role, dense)
+    object.__setattr__(dense, "call", calls[role])
     if float32_sums:
       dense.autocast = False
 
@@ -134,7 +112,12 @@ def replay(layout, group, sequence_parallel, float32_sums):
     devices = group()
     tensor_size = len(devices)
     per_device = families.key_value_heads_per_device(layer, family, tensor_size)
-    _, key_value = family.head_counts(layer)
+    sharing = shared_heads.sharing_of(
+        layer, family, tensor_size, per_device, rerun=any(  # ZeRO-3.
+            vars(parts[role]).get("call") is not calls[role]
+            for role in ("key", "value")))
+    if sharing:
+      per_device = sharing.key_value_heads_seen
     local = family.local_attributes(layer, tensor_size, per_device)
     leaves = tf.nest.flatten((args, kwargs))
     tensors = [x for x in leaves if tf.is_tensor(x)]
@@ -147,9 +130,14 @@ def replay(layout, group, sequence_parallel, float32_sums):
                  for role in taps[id(x)][0]]
     mask = backend.get_keras_mask(args[0]) if args else None
 
-    partials = []
+    partials, received = [], {}
     for index, device in enumerate(devices):
-      def shard_fn(*pieces, index=index):
+      heads_in = received.pop(index, [])
+      def shard_fn(*pieces, index=index, count=len(heads_in)):
+        # Inputs: the plain copies, the projections' own copies and the
+        # key/value heads handed to this device (`count`).
+        heads_given = pieces[len(pieces) - count:]
+        pieces = pieces[:len(pieces) - count]
         plain, role_pieces = pieces[:len(tensors)], pieces[len(tensors):]
         by_tensor = {}
         for (key, role), piece in zip(tap_order, role_pieces):
@@ -162,13 +150,16 @@ def replay(layout, group, sequence_parallel, float32_sums):
             (args, kwargs),
             [next(it) if tf.is_tensor(x) else x for x in leaves])
         saved = {name: getattr(layer, name) for name in local}
-        state.update(index=index, tensor_size=tensor_size,
-                     shared=key_value if per_device == 1 and
-                     key_value < tensor_size else None)
+        state.update(index=index, sharing=sharing)
         try:
           for name, value in local.items():
             object.__setattr__(layer, name, value)
-          result = original_call(*new_args, **new_kwargs)
+          if sharing and sharing.handed_out:
+            result, heads_out = exchange.run(
+                lambda: original_call(*new_args, **new_kwargs), sharing,
+                index, heads_given)
+          else:
+            result, heads_out = original_call(*new_args, **new_kwargs), []
         finally:
           for name, value in saved.items():
             object.__setattr__(layer, name, value)
@@ -180,10 +171,18 @@ def replay(layout, group, sequence_parallel, float32_sums):
               f"scores); tfpar's tensor-parallel attention computes the "
               f"attention output only (training, evaluation, prediction "
               f"without a cache).")
-        return result
-      partials.append(compute.on_device(
+        return (result, *heads_out) if heads_out else result
+      result = compute.on_device(
           device, shard_fn, *[copies[id(x)][index] for x in tensors],
-          *[taps[key][index][role] for key, role in tap_order]))
+          *[taps[key][index][role] for key, role in tap_order], *heads_in)
+      targets = sharing.receivers(index) if sharing else ()
+      if targets:  # [key, value] for each device sharing its heads.
+        result, moved = result[0], comm.hand_out(
+            result[1:], [devices[t] for t in targets for _ in range(2)],
+            device, layer.name)
+        for position, target in enumerate(targets):
+          received[target] = moved[2 * position:2 * position + 2]
+      partials.append(result)
     output = layers_lib.combine(partials, devices, layer.name,
                                 layers_lib.finisher(parts["output"]),
                                 sequence_parallel)
@@ -209,17 +208,21 @@ def _spread(x, devices, name, float32_sums, roles):
   is summed over the devices in float32 and rounded alone before the
   projections' gradients are added (`comm.broadcast_uses`), as one device
   rounds each projection's input gradient; without it, or with sequence
-  slices, the projections share `layers_lib.spread`'s copy."""
+  slices, the projections share `layers_lib.spread`'s copy.
+
+  The plain copy is the first projection's (the query's): its gradient,
+  zero in the registered families (only projections take the input),
+  joins that projection's before the sum over devices instead of taking a
+  reduction of its own."""
   if (not float32_sums or x.dtype not in (tf.bfloat16, tf.float16) or
       layers_lib.sequence_chunks(x, devices) is not None):
     whole = layers_lib.spread(x, devices, name, float32_sums)
     return whole, [{} for _ in devices]
   with tf.device(x.device or None):
     wide = tf.cast(x, tf.float32)
-  per_device = comm.broadcast_uses(wide, 1 + len(roles), devices, name,
-                                   x.dtype)
+  per_device = comm.broadcast_uses(wide, len(roles), devices, name, x.dtype)
   return ([uses[0] for uses in per_device],
-          [dict(zip(roles, uses[1:])) for uses in per_device])
+          [dict(zip(roles, uses)) for uses in per_device])
 
 
 def multi_head_attention(layout, group, sequence_parallel, float32_sums):
@@ -278,7 +281,8 @@ def multi_head_attention(layout, group, sequence_parallel, float32_sums):
           gate = layers_lib.project(parts["gate"], q, index,
                                     parts["gate"].equation,
                                     float32=float32_sums)
-          output = ops.multiply(output, parts["gate"].activation(gate))
+          output = keras.ops.multiply(output,
+                                      parts["gate"].activation(gate))
         output = layers_lib.project(parts["output"], output, index,
                                     parts["output"].equation, partial=True,
                                     float32=float32_sums)
