@@ -140,7 +140,7 @@ def project(layer, x, index, equation=None, partial=False, float32=False):
   if widen:
     y = ops.cast(y, layer.compute_dtype)
   if isinstance(layer.bias, variables_lib.ShardedWeight):
-    y = ops.add(y, ops.cast(layer.bias.shards[index], y.dtype))
+    y = rounding.add_bias(y, layer.bias.shards[index], layer.bias.shape)
   return y
 
 

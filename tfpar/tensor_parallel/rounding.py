@@ -74,3 +74,35 @@ def widened_product(x, kernel, equation=None):
     return y, grad
 
   return widened_op(ops.cast(x, "float32"), kernel)
+
+
+def _keras_takes_bias_add(y_shape, bias_shape):
+  """Whether Keras's TensorFlow `ops.add(y, bias)` on these shapes is a
+  `tf.nn.bias_add` (a bias that squeezes to a vector along `y`'s second or
+  last axis) rather than a `tf.add`."""
+  squeezed = [d for d in bias_shape if d is None or d > 1]
+  return (len(squeezed) == 1 and len(y_shape) > 1 and
+          squeezed[0] is not None and
+          squeezed[0] in (y_shape[1], y_shape[-1]))
+
+
+def add_bias(y, bias, whole_bias_shape):
+  """`y + bias` (a slice of a bias shaped `whole_bias_shape`, broadcast
+  against `y`'s trailing axes) by the op one device's `ops.add` takes on
+  the whole layer.
+
+  The two ops' bias gradients round differently: on CPU a bfloat16
+  `BiasAddGrad` accumulates in bfloat16 row after row and an `AddV2`'s
+  `Sum` in float32, rounded once (in float16, `BiasAddGrad` in float32 and
+  `Sum` not). Keras takes `BiasAdd` for a bias that squeezes to a vector,
+  as one head's slice of a [heads, head_dim] bias does where the whole
+  bias does not (Qwen's query, key and value)."""
+  bias = ops.cast(bias, y.dtype)
+  whole_y = list(y.shape)
+  offset = len(whole_y) - len(bias.shape)
+  for axis, (part, whole) in enumerate(zip(bias.shape, whole_bias_shape)):
+    if part != whole and whole_y[offset + axis] is not None:
+      whole_y[offset + axis] = whole_y[offset + axis] * whole // part
+  if _keras_takes_bias_add(whole_y, whole_bias_shape):
+    return ops.add(y, bias)
+  return tf.add(y, bias)

@@ -145,7 +145,7 @@ def head_slice(dense, x, head, float32=False):
     if letter in (dense.bias_axes or ""):
       bias_axis = len(bias.shape) + output.index(letter) - len(output)
       bias = _take_head(bias, head, bias_axis)
-    y = keras.ops.add(y, keras.ops.cast(bias, y.dtype))
+    y = rounding.add_bias(y, bias, dense.bias.shape)
   return y
 
 
