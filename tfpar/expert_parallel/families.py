@@ -42,6 +42,10 @@ class Family:
       an instance of the keras-hub class `name`.
     router: the block's attribute holding its router layer; None for
       keras-hub's (private) name.
+    contraction: how the block's own (dense) call sums each token's
+      weighted expert outputs, for `routing.combine` to round as it does:
+      "multiply" (products, then a sum: keras-hub's) or "einsum"
+      (`moe_block`'s).
   """
   name: str
   expert_weight_names: tuple
@@ -53,6 +57,7 @@ class Family:
   jitter: Optional[str] = None
   matches: Optional[Callable] = None
   router: Optional[str] = None
+  contraction: str = "multiply"
 
   def router_of(self, block):
     """The block's router layer."""
@@ -112,11 +117,13 @@ FAMILIES = (
     Family("tfpar.MoE (gated=True)", expert_bank.GATED_WEIGHTS,
            _tfpar_experts, normalize=lambda block: block.normalize_top_k,
            aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
-           matches=_tfpar_block(gated=True), router="router"),
+           matches=_tfpar_block(gated=True), router="router",
+           contraction="einsum"),
     Family("tfpar.MoE (gated=False)", expert_bank.PLAIN_WEIGHTS,
            _tfpar_experts, normalize=lambda block: block.normalize_top_k,
            aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
-           matches=_tfpar_block(gated=False), router="router"),
+           matches=_tfpar_block(gated=False), router="router",
+           contraction="einsum"),
 )
 
 

@@ -98,6 +98,7 @@ def build_call(block, family, context):
     capacity = routing.capacity(tokens, num_experts, block.top_k,
                                 context.capacity_factor)
     slot, kept = routing.slots(experts, num_experts, capacity)
+    slot = routing.in_token_order(experts, kept, num_experts, capacity)
     buffer = routing.dispatch(x, slot, num_experts * capacity)
     if replica is None:  # One device, every expert here.
       whole = [tf.cast(context.whole_value(v), x.dtype) for v in variables]
@@ -120,7 +121,8 @@ def build_call(block, family, context):
       back = comm.all_to_all(out, launcher, block.name)
       expert_out = tf.reshape(back, [-1, hidden])
       context.count_drops(block, kept)
-    out = routing.combine(expert_out, slot, weights)
+    out = routing.combine(expert_out, slot, weights, experts,
+                          family.contraction)
     if family.extra is not None:
       out = out + family.extra(block, x)
     out = tf.reshape(out, shape)

@@ -6,8 +6,9 @@ token's first choice before any token's second choice (GShard, DeepSpeed),
 then token order. An assignment past the capacity is dropped: that expert
 adds nothing to the token (the residual connection carries it).
 
-Slot `e * C + p` of a replica's dispatch buffer holds the p-th token it
-sends to expert e; the buffer's extra last row collects what is dropped.
+Slot `e * C + p` of a replica's dispatch buffer holds the p-th token (in
+token order, `in_token_order`) it sends to expert e; the buffer's extra
+last row collects what is dropped.
 """
 
 import math
@@ -124,18 +125,74 @@ def dispatch(tokens, slot, buffer_rows):
   return buffer[:-1]
 
 
-def combine(expert_out, slot, weights):
-  """Each token's sum over its kept assignments of weight x expert output.
+def in_token_order(experts, kept, num_experts, capacity_per_expert):
+  """The slots of the kept assignments renumbered in token order.
+
+  `slots` decides which assignments are kept by priority (first choices
+  first); this places each expert's kept tokens in the order of the tokens
+  themselves, so that an expert's kernel gradient adds its tokens' terms
+  in the order one device's dense computation adds them (a compute-dtype
+  matmul that accumulates in that dtype, as float16 kernels on CPU do,
+  rounds differently in another order).
+
+  Args:
+    experts: [T, k] chosen experts.
+    kept: [T, k] bool, from `slots`.
+    num_experts: E.
+    capacity_per_expert: C.
+
+  Returns:
+    slot [T, k] int32: `e * C + position`, or `E * C` when dropped.
+
+  Example:
+
+  >>> experts = tf.constant([[0, 1], [1, 0]])
+  >>> slot, kept = slots(experts, 2, 2)
+  >>> slot.numpy().tolist()  # First choices first: token 1's 1 before 0's.
+  [[0, 3], [2, 1]]
+  >>> in_token_order(experts, kept, 2, 2).numpy().tolist()
+  [[0, 2], [3, 1]]
+  """
+  top_k = experts.shape[1]
+  chosen = tf.one_hot(experts, num_experts, dtype=tf.int32)  # [T, k, E]
+  chosen = chosen * tf.cast(kept, tf.int32)[..., None]
+  flat = tf.reshape(chosen, [-1, num_experts])  # [T * k, E], token-major.
+  position = tf.reduce_sum(
+      tf.math.cumsum(flat, axis=0, exclusive=True) * flat, axis=1)
+  position = tf.reshape(position, [-1, top_k])
+  return tf.where(kept, experts * capacity_per_expert + position,
+                  num_experts * capacity_per_expert)
+
+
+def combine(expert_out, slot, weights, experts, contraction="multiply"):
+  """Each token's sum over its kept assignments of weight x expert output,
+  rounded as the MoE block's own one-device computation rounds it.
+
+  The k assignments are taken in expert order, as a dense block sums over
+  the experts. keras-hub's blocks multiply [E, T, h] outputs by their
+  weights and sum the products ("multiply"); `tfpar.MoE`'s contracts them
+  in one einsum ("einsum"), which under a mixed policy rounds the sum
+  once: there, products rounded first put the first loss 1.7e-6 off one
+  device's under mixed_bfloat16, and another einsum layout 3.3e-6 off
+  under mixed_float16 with 4 assignments (now equal).
 
   Args:
     expert_out: [E * C, h] the experts' outputs in dispatch-buffer order.
-    slot: [T, k] from `slots` (dropped assignments point past the end).
+    slot: [T, k] from `slots` or `in_token_order` (dropped assignments
+      point past the end).
     weights: [T, k] routing weights.
+    experts: [T, k] the chosen experts.
+    contraction: "multiply" or "einsum" (`families.Family.contraction`).
   """
+  order = tf.argsort(experts, axis=1, stable=True)
+  slot = tf.transpose(tf.gather(slot, order, batch_dims=1))  # [k, T]
+  weights = tf.transpose(tf.gather(weights, order, batch_dims=1))
   padded = tf.concat([expert_out, tf.zeros_like(expert_out[:1])], 0)
-  gathered = tf.gather(padded, slot)  # [T, k, h]
+  gathered = tf.gather(padded, slot)  # [k, T, h]
   weights = tf.cast(weights, gathered.dtype)
-  return tf.reduce_sum(gathered * weights[..., None], axis=1)
+  if contraction == "einsum":
+    return tf.einsum("kth,kt->th", gathered, weights)
+  return tf.reduce_sum(gathered * weights[..., None], axis=0)
 
 
 def load_balancing_loss(router_probs, experts, num_experts, mask, global_sum):
