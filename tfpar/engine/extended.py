@@ -269,6 +269,11 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     return self._column_ops[column]
 
   def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    if any(bfloat16_gather.sparse_bfloat16(v)
+           for v, _ in value_destination_pairs):
+      return bfloat16_gather.reduce_sparse_as_float16(
+          lambda op, pairs: self._batch_reduce_to(op, pairs, options),
+          reduce_op, value_destination_pairs)
     values = [v for v, _ in value_destination_pairs]
     groups = grouping.reduction_groups([self.column_of(v) for v in values],
                                        values)
