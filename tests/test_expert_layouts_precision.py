@@ -28,6 +28,7 @@ import tensorflow as tf
 
 import precision_common
 import stock_strategies
+import test_expert_pipeline_parallel
 import tfpar
 
 VOCAB, SEQUENCE, BATCH, STEPS = 32, 8, 8, 6
@@ -200,13 +201,8 @@ def _microbatch_loop(optimizer):
   model = moe_model(top_k=2)
   optimizer, loss_fn = optimizer(), _loss()
 
-  @tf.function
-  def micro_step(x, y):
-    with tf.GradientTape() as tape:
-      loss = (loss_fn(y, model(x, training=True)) +
-              tf.add_n(model.losses)) / MICROBATCHES
-    grads = tape.gradient(loss, model.trainable_variables)
-    return loss, [tf.convert_to_tensor(g) for g in grads]
+  micro_step = test_expert_pipeline_parallel.one_device_micro_step(
+      model, loss_fn, MICROBATCHES)
 
   rows = BATCH // DATA // MICROBATCHES
   ids, losses = _ids(), []

@@ -75,6 +75,19 @@ def train(layout=None, aux=0.02, family="mixtral"):
   return model, np.array(losses)
 
 
+def one_device_micro_step(model, loss_fn, microbatches):
+  """One device's step on one micro-batch, traced once: 1/m of its loss
+  (compiled loss + load-balancing losses) and of its gradients."""
+  @tf.function
+  def micro_step(x, y):
+    with tf.GradientTape() as tape:
+      loss = (loss_fn(y, model(x, training=True)) +
+              tf.add_n(model.losses)) / microbatches
+    grads = tape.gradient(loss, model.trainable_variables)
+    return loss, [tf.convert_to_tensor(g) for g in grads]
+  return micro_step
+
+
 def microbatch_reference(family="mixtral"):
   """One device looping over the pipeline's micro-batches: micro-batch k
   is the rows of every replica's micro-batch k; each adds 1/m of its loss
@@ -82,13 +95,7 @@ def microbatch_reference(family="mixtral"):
   model = language_model(family=family)
   optimizer, loss_fn = hub_common.optimizer("sgd"), _loss()
 
-  @tf.function
-  def micro_step(x, y):
-    with tf.GradientTape() as tape:
-      loss = (loss_fn(y, model(x, training=True)) +
-              tf.add_n(model.losses)) / MICROBATCHES
-    grads = tape.gradient(loss, model.trainable_variables)
-    return loss, [tf.convert_to_tensor(g) for g in grads]
+  micro_step = one_device_micro_step(model, loss_fn, MICROBATCHES)
 
   losses = []
   for x, y in batches():
