@@ -240,31 +240,6 @@ class SpreadVariable:
             f"slices={len(self._parts)}>")
 
 
-def interleaved(groups, size_of):
-  """(key, item) pairs from `groups` ({key: [items]}), taking next from the
-  group with the smallest fraction of its bytes (`size_of(item)`) taken.
-
-  Weights created spread over every group's devices (pipeline stages) then
-  leave each device about as fast as its own arrive, so no device holds
-  its final share and much of the others' slices at once.
-
-  Example:
-
-  >>> [k for k, _ in interleaved({"a": [1, 1], "b": [2]}, lambda x: x)]
-  ['a', 'b', 'a']
-  """
-  queues = {key: list(items) for key, items in groups.items()}
-  totals = {key: max(1, sum(map(size_of, items)))
-            for key, items in queues.items()}
-  taken = dict.fromkeys(queues, 0)
-  while any(queues.values()):
-    key = min((k for k, items in queues.items() if items),
-              key=lambda k: taken[k] / totals[k])
-    item = queues[key].pop(0)
-    taken[key] += size_of(item)
-    yield key, item
-
-
 def nbytes(variable):
   """Bytes of a variable's whole value."""
   return variable.shape.num_elements() * tf.as_dtype(variable.dtype).size

@@ -142,7 +142,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     # Interleaved over the stages: split weights created spread over every
     # device leave each about as fast as its shards arrive (engine/spread).
     layout_bytes = lambda l: sum(np.prod(v.shape) for v in l.variables)
-    for index, layout in spread.interleaved(by_stage, layout_bytes):
+    for index, layout in placement.interleaved(by_stage, layout_bytes):
       tensor_parallel_extended.shard_layers(
           self, [layout], self.tensor_size,
           first_column=placement.stage_column(index, self.pipeline_size,

@@ -32,10 +32,10 @@ def place_stage_variables(strategy, plan, groups, pipeline_size,
       next, from where they were created).
   """
   # Interleaved over the stages: weights created spread over every device
-  # leave each about as fast as its own arrive (engine/spread.py).
+  # leave each about as fast as its own arrive (engine/spread.py): `interleaved`.
   moving = {stage.index: [v for v in stage.variables if v.path not in skip]
             for stage in plan.stages}
-  for index, variable in spread.interleaved(moving, spread.nbytes):
+  for index, variable in interleaved(moving, spread.nbytes):
     column = stage_column(index, pipeline_size, columns_per_stage)
     devices = tuple(group[column] for group in groups)
     specs = tuple(tf.DeviceSpec.from_string(d) for d in devices)
@@ -65,3 +65,28 @@ def stage_devices(plan, group, pipeline_size, columns_per_stage=1):
   return tuple(group[stage_column(stage.index, pipeline_size,
                                   columns_per_stage)]
                for stage in plan.stages)
+
+
+def interleaved(groups, size_of):
+  """(key, item) pairs from `groups` ({key: [items]}), taking next from the
+  group with the smallest fraction of its bytes (`size_of(item)`) taken.
+
+  Weights created spread over every group's devices (pipeline stages) then
+  leave each device about as fast as its own arrive, so no device holds
+  its final share and much of the others' slices at once.
+
+  Example:
+
+  >>> [k for k, _ in interleaved({"a": [1, 1], "b": [2]}, lambda x: x)]
+  ['a', 'b', 'a']
+  """
+  queues = {key: list(items) for key, items in groups.items()}
+  totals = {key: max(1, sum(map(size_of, items)))
+            for key, items in queues.items()}
+  taken = dict.fromkeys(queues, 0)
+  while any(queues.values()):
+    key = min((k for k, items in queues.items() if items),
+              key=lambda k: taken[k] / totals[k])
+    item = queues[key].pop(0)
+    taken[key] += size_of(item)
+    yield key, item
