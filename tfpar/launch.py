@@ -11,7 +11,6 @@ SIGKILL (see `tfpar.lifetime` and `tfpar.netns`). With `--recipe NAME` the
 workers' `tfpar.from_recipe()` builds that recipe's strategy.
 """
 
-import contextlib
 import dataclasses
 import json
 import math

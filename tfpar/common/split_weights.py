@@ -7,7 +7,6 @@ All three, and checkpoints, read the pieces through what is here: a
 logical order keeps whole weights where their variables were, and
 `logical_entries` gives an optimizer's state as one device has it."""
 
-import keras
 import numpy as np
 import tensorflow as tf
 

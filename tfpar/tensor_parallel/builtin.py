@@ -6,7 +6,6 @@ from tfpar._compat import keras_attention
 from tfpar._compat import keras_layers
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
-from tfpar.tensor_parallel import regions
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 

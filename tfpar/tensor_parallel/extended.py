@@ -13,7 +13,6 @@ build), when a dataset is distributed and when a step runs.
 """
 
 
-import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import keras_layers

@@ -33,6 +33,7 @@ from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layers as layers_lib
 from tfpar.tensor_parallel import shared_heads
+from tfpar.tensor_parallel import tags
 
 
 
@@ -215,7 +216,7 @@ def _spread(x, devices, name, float32_sums, roles):
   joins that projection's before the sum over devices instead of taking a
   reduction of its own."""
   if (not float32_sums or x.dtype not in (tf.bfloat16, tf.float16) or
-      layers_lib.sequence_chunks(x, devices) is not None):
+      tags.sequence_chunks(x, devices) is not None):
     whole = layers_lib.spread(x, devices, name, float32_sums)
     return whole, [{} for _ in devices]
   with tf.device(x.device or None):

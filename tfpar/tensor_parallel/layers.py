@@ -3,9 +3,9 @@
 `install` replaces a sharded layer's `call` (on that instance only): every
 shard computes on its own device (`compute.on_device`) and the layer
 communicates through `comm`. A column-parallel output is returned gathered
-onto the head, tagged with its shards; a row-parallel layer that receives
-such a tensor uses the shards directly, so TensorFlow prunes the unused
-gather from the traced step (Megatron's f/g pairs).
+onto the head, tagged with its shards (`tags`); a row-parallel layer that
+receives such a tensor uses the shards directly, so TensorFlow prunes the
+unused gather from the traced step (Megatron's f/g pairs).
 
 Under a mixed policy, with `float32_sums` (the strategies' default,
 `communication_dtype="float32"`) the partial products of row-parallel
@@ -17,70 +17,29 @@ compute dtype, half the bytes, and each device rounds its partial sums
 before they are added.
 """
 
-import dataclasses
-
-import keras
 from keras import ops
 import tensorflow as tf
 
 from tfpar._compat import keras_layers
-from tfpar._compat.keras_modules import tensor_attributes
 from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import regions
 from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import styles
+from tfpar.tensor_parallel import tags
 from tfpar.tensor_parallel import variables as variables_lib
-
-_SPLIT_ATTRIBUTE = "_tfpar_split"
-_SEQUENCE_ATTRIBUTE = "_tfpar_sequence"
-SEQUENCE_AXIS = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class _Split:
-  parts: tuple
-  axis: int  # Negative: counted from the last axis.
-  devices: tuple
-
-
-def _tag(tensor, attribute, parts, axis, devices):
-  """Marks `tensor` as gathered from the per-device `parts` along `axis`."""
-  tensor_attributes.set_tensor_attr(
-      tensor, attribute, _Split(tuple(parts), axis, tuple(devices)))
-  return tensor
-
-
-def _parts(tensor, attribute, axis, devices):
-  """The parts `tensor` was gathered from, if split the way we need."""
-  split = tensor_attributes.get_tensor_attr(tensor, attribute)
-  if split is not None and split.axis == axis and split.devices == tuple(
-      devices):
-    return list(split.parts)
-  return None
-
-
-def tag_sequence(tensor, chunks, devices):
-  """Marks `tensor` as gathered from the sequence slices `chunks`."""
-  return _tag(tensor, _SEQUENCE_ATTRIBUTE, chunks, SEQUENCE_AXIS, devices)
-
-
-def sequence_chunks(tensor, devices):
-  """The sequence slices `tensor` was gathered from, or None."""
-  return _parts(tensor, _SEQUENCE_ATTRIBUTE, SEQUENCE_AXIS, devices)
-
 
 def spread(x, devices, name, float32=False):
   """`x` whole on every device: all-gathered from its sequence slices if it
   has them, else broadcast from the head; with `float32`, a half-precision
   `x` crosses in float32, so that the gradients coming back are summed in
   float32 (the projections that take it must then compute in float32)."""
-  chunks = sequence_chunks(x, devices)
+  chunks = tags.sequence_chunks(x, devices)
   if chunks is not None:
     if float32:
       chunks = [rounding.widened(c) for c in chunks]
-    return comm.all_gather(chunks, SEQUENCE_AXIS, devices, name)
+    return comm.all_gather(chunks, tags.SEQUENCE_AXIS, devices, name)
   return comm.broadcast(rounding.widened(x) if float32 else x, devices, name)
 
 
@@ -89,12 +48,12 @@ def _splits_sequence(tensor, devices, name):
   activation."""
   if tensor.shape.rank is None or tensor.shape.rank < 3:
     return False
-  length = tensor.shape[SEQUENCE_AXIS]
+  length = tensor.shape[tags.SEQUENCE_AXIS]
   if length is not None and length % len(devices):
     raise ValueError(
         f"sequence_parallel=True splits activations along the sequence "
-        f"(axis {SEQUENCE_AXIS}), but layer {name!r} outputs sequence length "
-        f"{length}, not divisible by the tensor size {len(devices)}.")
+        f"(axis {tags.SEQUENCE_AXIS}), but layer {name!r} outputs sequence "
+        f"length {length}, not divisible by the tensor size {len(devices)}.")
   return length is not None
 
 
@@ -103,11 +62,11 @@ def combine(partials, devices, name, finish, sequence_parallel):
   activation): on the head, or with sequence parallelism reduce-scattered
   and finished slice by slice on every device."""
   if sequence_parallel and _splits_sequence(partials[0], devices, name):
-    chunks = comm.reduce_scatter(partials, SEQUENCE_AXIS, devices, name)
+    chunks = comm.reduce_scatter(partials, tags.SEQUENCE_AXIS, devices, name)
     chunks = [compute.on_device(device, finish, chunk)
               for device, chunk in zip(devices, chunks)]
-    return tag_sequence(comm.gather(chunks, SEQUENCE_AXIS, devices, name),
-                        chunks, devices)
+    whole = comm.gather(chunks, tags.SEQUENCE_AXIS, devices, name)
+    return tags.tag_sequence(whole, chunks, devices)
   total = comm.reduce(partials, devices, name)
   with tf.device(devices[0]):
     return finish(total)
@@ -180,7 +139,7 @@ def _column(layout, group, sequence_parallel, float32_sums):
       outs.append(compute.on_device(device, shard_fn, xs[index]))
     whole = comm.gather(outs, axis, devices, layer.name)
     if elementwise:
-      return _tag(whole, _SPLIT_ATTRIBUTE, outs, axis, devices)
+      return tags.tag_split(whole, outs, axis, devices)
     with tf.device(devices[0]):
       return finisher(layer)(whole)
   return call
@@ -191,7 +150,7 @@ def _region_parts(inputs, axis, devices):
   through the elementwise ops between them (a gated MLP's
   `silu(gate) * up`), or None when `inputs` is not such a region."""
   region = regions.find(
-      inputs, lambda t: _parts(t, _SPLIT_ATTRIBUTE, axis, devices), axis)
+      inputs, lambda t: tags.split_parts(t, axis, devices), axis)
   if region is None:
     return None
   keys = list(region.sources)
@@ -213,7 +172,7 @@ def _row(layout, group, sequence_parallel, float32_sums):
   def call(inputs, training=None):
     del training
     devices = group()
-    xs = _parts(inputs, _SPLIT_ATTRIBUTE, axis, devices)
+    xs = tags.split_parts(inputs, axis, devices)
     if xs is None:
       # Not when ZeRO-3 wrapped this call to run it again in the backward
       # pass: the region's split tensors lie outside what it runs again,
@@ -297,7 +256,7 @@ def _reverse(layer, group, float32_sums):
         return logits
       outs.append(compute.on_device(device, shard_fn, xs[index]))
     whole = comm.gather(outs, -1, devices, layer.name)
-    return _tag(whole, _SPLIT_ATTRIBUTE, outs, -1, devices)
+    return tags.tag_split(whole, outs, -1, devices)
   return call
 
 

@@ -5,7 +5,6 @@ import re
 from tfpar._compat import keras_layers
 from tfpar.tensor_parallel import builtin
 from tfpar.tensor_parallel import coverage as coverage_lib
-from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
 
 

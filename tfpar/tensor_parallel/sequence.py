@@ -16,7 +16,7 @@ from tfpar._compat.keras_modules import keras_ops
 from tfpar._compat.keras_modules import tree
 from tfpar.tensor_parallel import comm
 from tfpar.tensor_parallel import compute
-from tfpar.tensor_parallel import layers as layers_lib
+from tfpar.tensor_parallel import tags
 
 _POSITION_WISE = (
     keras.layers.Dropout, keras.layers.Activation, keras.layers.Add,
@@ -36,7 +36,7 @@ def _is_position_wise(operation):
 def _run_in_slices(operation, call, group, args, kwargs):
   devices = group()
   leaves = [x for x in tree.flatten((args, kwargs)) if tf.is_tensor(x)]
-  chunks = [layers_lib.sequence_chunks(x, devices) for x in leaves]
+  chunks = [tags.sequence_chunks(x, devices) for x in leaves]
   if not leaves or any(c is None for c in chunks):
     return call(*args, **kwargs)
 
@@ -50,8 +50,8 @@ def _run_in_slices(operation, call, group, args, kwargs):
     outs.append(compute.on_device(device, on_slice,
                                   *[c[index] for c in chunks]))
   name = getattr(operation, "name", type(operation).__name__)
-  whole = comm.gather(outs, layers_lib.SEQUENCE_AXIS, devices, name)
-  return layers_lib.tag_sequence(whole, outs, devices)
+  whole = comm.gather(outs, tags.SEQUENCE_AXIS, devices, name)
+  return tags.tag_sequence(whole, outs, devices)
 
 
 def install(model, group):
