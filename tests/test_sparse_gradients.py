@@ -3,7 +3,11 @@ batch giving repeated rows) are applied by ZeRO and by the pipeline as
 plain data parallelism and stock MirroredStrategy apply them: Keras's
 Adam squares each repeated row on its own. Densifying first (summing the
 repeats, then squaring) trains a different model: 0.056 apart in the
-weights after 12 steps of the test GPT, measured before this rule."""
+weights after 12 steps of the test GPT, measured before this rule.
+
+Under the pure bfloat16 policy the rows cross replicas as float16 bit
+patterns (TensorFlow's CPU collectives take no bfloat16): data, tensor
+and pipeline layouts train as one device; ZeRO refuses the policy."""
 
 import functools
 
@@ -82,18 +86,24 @@ def test_slice_of_rows_keeps_every_occurrence_in_the_slice():
   np.testing.assert_allclose(dense, [3., 4., 6., 8., 0., 0.])
 
 
-def _pure_bfloat16_embedding_fit(strategy):
+def _pure_bfloat16_model(strategy, optimizer):
+  keras.utils.set_random_seed(0)
+  with strategy.scope() if strategy else tf.init_scope():
+    model = keras.Sequential([
+        keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4),
+        keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer(), loss="mse")
+  return model
+
+
+def _pure_bfloat16_embedding_fit(strategy, optimizer=None):
   """(epoch losses, float32 weights) of an Embedding model under the pure
   bfloat16 policy: its sparse gradient's rows are gathered across
   replicas, which TensorFlow's CPU collectives take no bfloat16 for."""
   keras.mixed_precision.set_global_policy("bfloat16")
   try:
-    keras.utils.set_random_seed(0)
-    with strategy.scope() if strategy else tf.init_scope():
-      model = keras.Sequential([
-          keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4),
-          keras.layers.Flatten(), keras.layers.Dense(1)])
-      model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model = _pure_bfloat16_model(
+        strategy, optimizer or (lambda: keras.optimizers.SGD(0.1)))
     x = np.random.default_rng(0).integers(0, 10, (16, 3)).astype("int32")
     history = model.fit(x, np.ones((16, 1), "float32"), batch_size=8,
                         epochs=2, verbose=0, shuffle=False)
@@ -101,6 +111,13 @@ def _pure_bfloat16_embedding_fit(strategy):
                                       for w in model.get_weights()]
   finally:
     keras.mixed_precision.set_global_policy("float32")
+
+
+def _bfloat16_adam():
+  # Keras's default beta_2 = 0.999 is 1.0 in bfloat16: its Adam's step
+  # size, lr * sqrt(1 - beta_2 ** t) / (1 - beta_1 ** t), is then 0 and no
+  # bfloat16 weight ever moves, on one device too.
+  return keras.optimizers.Adam(0.01, beta_2=0.99)
 
 
 def test_pure_bfloat16_sparse_gradients_train_as_on_one_device():
@@ -112,3 +129,90 @@ def test_pure_bfloat16_sparse_gradients_train_as_on_one_device():
   np.testing.assert_allclose(got_losses, losses, rtol=0, atol=1e-6)
   for got, want in zip(got_weights, weights):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+PURE_BFLOAT16_LAYOUTS = {
+    "data 2 x tensor 2, vocabulary-split": lambda: tfpar.TensorParallelStrategy(
+        tfpar.Mesh({"data": 2, "tensor": 2})),
+    "data 2 x tensor 2, table replicated": lambda: (
+        tfpar.TensorParallelStrategy(
+            tfpar.Mesh({"data": 2, "tensor": 2}),
+            plan=[("embeddings", tfpar.Replicate()),
+                  ("dense", tfpar.Replicate())])),
+    "data 2 x pipeline 2, 1F1B": lambda: tfpar.PipelineParallelStrategy(
+        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2),
+    "data 2 x pipeline 2, GPipe": lambda: tfpar.PipelineParallelStrategy(
+        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2,
+        schedule="gpipe"),
+}
+
+
+@functools.cache
+def _pure_bfloat16_adam_on_one_device():
+  return _pure_bfloat16_embedding_fit(None, _bfloat16_adam)
+
+
+@pytest.mark.parametrize("layout", list(PURE_BFLOAT16_LAYOUTS))
+def test_pure_bfloat16_sparse_gradients_train_as_on_one_device_in(layout):
+  # One device's weights to the bit on this model. Larger ones round
+  # apart, data 2 too: each replica's and micro-batch's bfloat16 gradient
+  # is rounded before they are added (docs/precision_and_accumulation.md).
+  losses, weights = _pure_bfloat16_adam_on_one_device()
+  assert losses[0] != losses[1]  # The weights move.
+  got_losses, got_weights = _pure_bfloat16_embedding_fit(
+      PURE_BFLOAT16_LAYOUTS[layout](), _bfloat16_adam)
+  np.testing.assert_allclose(got_losses, losses, rtol=0, atol=1e-6)
+  for got, want in zip(got_weights, weights):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_refuses_pure_bfloat16_before_the_first_step(stage):
+  keras.mixed_precision.set_global_policy("bfloat16")
+  try:
+    model = _pure_bfloat16_model(tfpar.DataParallelStrategy(_data2()),
+                                 _bfloat16_adam)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"tfpar.ZeRO shards float32 "
+                       r"weights.*embeddings.dtype=bfloat16"):
+      model.fit(np.zeros((8, 3), "int32"), np.ones((8, 1), "float32"),
+                batch_size=8, verbose=0, callbacks=[tfpar.ZeRO(stage=stage)])
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  assert int(model.optimizer.iterations.numpy()) == 0
+  for got, want in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(got, want)
+
+
+# bfloat16 numbers whose bits, read as float16, are infinity (2 ** 121), a
+# NaN (1e37, -3e38) and a subnormal (a bfloat16 subnormal, 1e-38): moved
+# bit for bit, never converted.
+_BFLOAT16_BITS = [0x3F80, 0x7C00, 0x7CF1, 0xFF62, 0x006D, 0xC020]
+
+
+def _per_replica(strategy, make):
+  return strategy.experimental_distribute_values_from_function(
+      lambda context: make(context.replica_id_in_sync_group))
+
+
+def test_bfloat16_gather_and_sparse_reduce_move_bits():
+  strategy = tfpar.DataParallelStrategy(_data2())
+  rows = tf.bitcast(tf.constant(_BFLOAT16_BITS, tf.uint16), tf.bfloat16)
+  gathered = strategy.gather(
+      _per_replica(strategy, lambda r: tf.roll(rows, r, 0)), axis=0)
+  want = tf.concat([rows, tf.roll(rows, 1, 0)], 0)
+  assert gathered.dtype == tf.bfloat16
+  np.testing.assert_array_equal(tf.bitcast(gathered, tf.int16).numpy(),
+                                tf.bitcast(want, tf.int16).numpy())
+  sparse = _per_replica(strategy, lambda r: tf.IndexedSlices(
+      tf.reshape(tf.roll(rows, r, 0), (3, 2)), tf.constant([r, 2, 0]),
+      tf.constant([3, 2])))
+  summed = strategy.reduce("SUM", sparse, axis=None)
+  assert isinstance(summed, tf.IndexedSlices)
+  assert summed.dtype == tf.bfloat16
+  np.testing.assert_array_equal(
+      tf.bitcast(tf.reshape(summed.values, [-1]), tf.int16).numpy(),
+      tf.bitcast(want, tf.int16).numpy())
+  assert summed.indices.numpy().tolist() == [0, 2, 0, 1, 2, 0]
+  with pytest.raises(ValueError, match="reduce_op = .*MEAN.* only a SUM"):
+    strategy.reduce("MEAN", sparse, axis=None)

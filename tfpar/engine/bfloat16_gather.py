@@ -6,7 +6,7 @@ list of allowed values"), and Keras gathers `predict`'s outputs across
 workers with `strategy.gather`: under `mixed_bfloat16` a model whose last
 layer computes in bfloat16 could not predict across workers. The bits of a
 bfloat16 tensor move as float16 (same width, nothing is converted) and are
-read back as bfloat16. Stock `MirroredStrategy` fails on both.
+read back as bfloat16 (`bits_as`). Stock `MirroredStrategy` fails on both.
 """
 
 import tensorflow as tf
@@ -15,26 +15,49 @@ from tfpar._compat.tf_modules import values_lib
 
 
 class Bfloat16Gather:
-  """Mixin of `MeshExtended`: `strategy.gather` of bfloat16 values."""
+  """Mixin of `MeshExtended`: `strategy.gather` of bfloat16 values, and
+  `reduce_to` of one bfloat16 sparse value (`strategy.reduce`)."""
 
   def _gather_to_implementation(self, value, destinations, axis, options):
-    distributed = isinstance(value, values_lib.DistributedValues)
-    first = value.values[0] if distributed else value
+    first = (value.values[0] if isinstance(value, values_lib.DistributedValues)
+             else value)
     if getattr(first, "dtype", None) != tf.bfloat16:
       return super()._gather_to_implementation(value, destinations, axis,
                                                options)
-    if distributed:
-      as_half = []
-      for component in value.values:
-        with tf.device(component.device):
-          as_half.append(tf.bitcast(component, tf.float16))
-      as_half = values_lib.PerReplica(tuple(as_half))
-    else:  # One replica on this worker.
-      with tf.device(value.device):
-        as_half = tf.bitcast(value, tf.float16)
-    gathered = super()._gather_to_implementation(as_half, destinations, axis,
-                                                 options)
+    gathered = super()._gather_to_implementation(
+        bits_as(value, tf.float16), destinations, axis, options)
     return tf.bitcast(gathered, tf.bfloat16)
+
+  def _reduce_to(self, reduce_op, value, destinations, options):
+    if not sparse_bfloat16(value):
+      return super()._reduce_to(reduce_op, value, destinations, options)
+    reduce_one = super()._reduce_to
+    return reduce_sparse_as_float16(
+        lambda op, pairs: [reduce_one(op, v, d, options) for v, d in pairs],
+        reduce_op, [(value, destinations)])[0]
+
+
+def bits_as(value, dtype):
+  """A per-replica value (or one replica's tensor or `IndexedSlices`) with
+  its bits read as `dtype`, of the same width: each component bitcast on
+  its own device; an `IndexedSlices` keeps its indices and reads its
+  values. A `PerReplica` or `Mirrored` value stays one; a distributed
+  variable gives the `PerReplica` of its components' values."""
+  if not isinstance(value, values_lib.DistributedValues):
+    return _component_bits_as(value, dtype)
+  kind = type(value) if type(value) in (values_lib.PerReplica,
+                                        values_lib.Mirrored) else (
+                                            values_lib.PerReplica)
+  return kind(tuple(_component_bits_as(c, dtype) for c in value.values))
+
+
+def _component_bits_as(component, dtype):
+  if isinstance(component, tf.IndexedSlices):
+    with tf.device(component.values.device or None):
+      return tf.IndexedSlices(tf.bitcast(component.values, dtype),
+                              component.indices, component.dense_shape)
+  with tf.device(component.device or None):
+    return tf.bitcast(component, dtype)
 
 
 def sparse_bfloat16(value):
@@ -50,15 +73,6 @@ def _parts(value):
   if isinstance(value, values_lib.DistributedValues):
     return value.values
   return (value,)
-
-
-def _retyped(part, dtype):
-  """An `IndexedSlices` whose values' bits are read as `dtype`."""
-  if not isinstance(part, tf.IndexedSlices):
-    return part
-  with tf.device(part.values.device or None):
-    return tf.IndexedSlices(tf.bitcast(part.values, dtype), part.indices,
-                            part.dense_shape)
 
 
 def reduce_sparse_as_float16(reduce, reduce_op, pairs):
@@ -86,18 +100,7 @@ def reduce_sparse_as_float16(reduce, reduce_op, pairs):
         f"their rows through CPU collectives as float16 bit patterns, which "
         f"only a SUM (a gather of rows) leaves intact.")
   sparse = [sparse_bfloat16(value) for value, _ in pairs]
-  moved = []
-  for (value, destination), is_sparse in zip(pairs, sparse):
-    if is_sparse:
-      retyped = tuple(_retyped(part, tf.float16) for part in _parts(value))
-      value = (type(value)(retyped) if isinstance(
-          value, values_lib.DistributedValues) else retyped[0])
-    moved.append((value, destination))
-  results = []
-  for result, is_sparse in zip(reduce(reduce_op, moved), sparse):
-    if is_sparse:
-      back = tuple(_retyped(part, tf.bfloat16) for part in _parts(result))
-      result = (type(result)(back) if isinstance(
-          result, values_lib.DistributedValues) else back[0])
-    results.append(result)
-  return results
+  moved = [(bits_as(value, tf.float16) if is_sparse else value, destination)
+           for (value, destination), is_sparse in zip(pairs, sparse)]
+  return [bits_as(result, tf.bfloat16) if is_sparse else result
+          for result, is_sparse in zip(reduce(reduce_op, moved), sparse)]
