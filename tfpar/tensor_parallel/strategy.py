@@ -5,6 +5,8 @@ from tfpar.engine import strategy as engine_strategy
 from tfpar.tensor_parallel import extended as extended_lib
 from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import plan as plan_lib
+from tfpar.tensor_parallel.spmd import checks as spmd_checks
+from tfpar.tensor_parallel.spmd import extended as spmd_extended
 
 
 class TensorParallelStrategy(engine_strategy.MeshStrategy):
@@ -34,10 +36,18 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       Mirrored's spread from one device) or `"compute"` (the compute dtype,
       as Megatron-LM: half those bytes, each device rounding its partial
       sums before they are added). No effect under `float32`.
+    spmd: run every device of a tensor group as its own trace of the step
+      (replicated work on every device, the tensor-parallel all-reduces,
+      reduce-scatters and all-gathers as collectives among the group)
+      instead of the group's first device running the replicated work
+      (docs/tensor_parallel_spmd.md). Models of Dense, EinsumDense,
+      MultiHeadAttention and Embedding layers on one host, any Keras
+      policy, with or without `sequence_parallel`; other settings raise
+      `ValueError`.
 
   Raises:
     ValueError: the mesh has a pipeline axis, a bad plan or
-      communication_dtype.
+      communication_dtype, or a setting `spmd=True` does not support.
 
   Example:
 
@@ -56,16 +66,25 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
   """
 
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,
-               communication_options=None, communication_dtype="float32"):
+               communication_options=None, communication_dtype="float32",
+               spmd=False):
+    if not isinstance(spmd, bool):
+      raise ValueError(f"spmd must be True or False. Received: spmd={spmd!r}")
     if not isinstance(sequence_parallel, bool):
       raise ValueError(f"sequence_parallel must be True or False. Received: "
                        f"sequence_parallel={sequence_parallel!r}")
     self._float32_sums = rounding.float32_sums(communication_dtype)
     self._plan = plan_lib.as_plan(plan)
     self._sequence_parallel = sequence_parallel
+    self._spmd = spmd
     super().__init__(mesh, communication_options)
 
   def _make_extended(self, mesh, communication_options):
+    if self._spmd:
+      return spmd_extended.SpmdTensorParallelExtended(
+          self, mesh, self._plan, communication_options,
+          sequence_parallel=self._sequence_parallel,
+          float32_sums=self._float32_sums)
     return extended_lib.TensorParallelExtended(
         self, mesh, self._plan, communication_options,
         sequence_parallel=self._sequence_parallel,
@@ -77,6 +96,8 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
           f"TensorParallelStrategy runs on data x tensor meshes; this mesh "
           f"has pipeline={mesh.shape['pipeline']}. Use "
           f"tfpar.PipelineParallelStrategy for pipeline stages.")
+    if self._spmd:
+      spmd_checks.check_strategy(mesh)
 
   @property
   def plan(self):

@@ -1,0 +1,254 @@
+"""`SpmdTensorParallelExtended`: tensor parallelism with one trace of the
+step per device of every tensor group.
+
+`num_replicas_in_sync` stays the `data` size (a replica is a tensor
+group: Keras's loss scaling, metrics and predict stay correct). What
+changes is how a replica runs:
+
+* every variable is mirrored over all `data x tensor` devices (replica
+  major); a split weight's component on the k-th device of every replica
+  holds shard k (`weights.py`), a replicated weight is the same everywhere;
+* `_call_for_each_replica` hands each replica's inputs to every device of
+  its group and traces the replica function once per device (replica
+  threads whose replica id is the data replica, `_compat/spmd_run.py`);
+  the traces communicate by collectives among the group (`collectives.py`);
+* gradients (one per device) are all-reduced over the data replicas within
+  each tensor column: shard k's over the k-th devices, a replicated
+  weight's copies alike on every column (they are equal by construction);
+* values leaving a replica (losses, metrics, predictions) are taken from
+  the first device of each group, and cross-replica reads of metric
+  variables count each data replica once.
+"""
+
+import tensorflow as tf
+
+from tfpar import watchdog
+from tfpar._compat import keras_layers
+from tfpar._compat import spmd_run
+from tfpar._compat.tf_modules import nest
+from tfpar._compat.tf_modules import values_lib
+from tfpar.common import whole_weights
+from tfpar.engine import extended as engine_extended
+from tfpar.tensor_parallel import extended as tp_extended
+from tfpar.tensor_parallel import plan as plan_lib
+from tfpar.tensor_parallel.spmd import checks
+from tfpar.tensor_parallel.spmd import collectives
+from tfpar.tensor_parallel.spmd import layers as layers_lib
+from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
+from tfpar.tensor_parallel.spmd import sequence as sequence_lib
+from tfpar.tensor_parallel.spmd import weights as weights_lib
+
+
+def _is_values(value):
+  return isinstance(value, values_lib.DistributedValues) and not isinstance(
+      value, tf.Variable)
+
+
+def _components(value):
+  if isinstance(value, values_lib.DistributedValues):
+    return value.values
+  return (value,)
+
+
+class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
+                                 tp_extended.TensorParallelExtended):
+  """The logic of `tfpar.TensorParallelStrategy(..., spmd=True)`.
+
+  Args:
+    container_strategy: the public strategy.
+    mesh: the `tfpar.Mesh` (data x tensor, one host).
+    plan: a `tfpar.ShardingPlan`.
+    communication_options: optional
+      `tf.distribute.experimental.CommunicationOptions`.
+    sequence_parallel: run position-wise regions on sequence slices
+      (`sequence.py`).
+    float32_sums: add partial sums in float32 under a mixed policy.
+  """
+
+  # Replicated weights are created whole on every device.
+  spreads_weights = False
+
+  def __init__(self, container_strategy, mesh, plan,
+               communication_options=None, sequence_parallel=False,
+               float32_sums=False):
+    checks.check_strategy(mesh)
+    super().__init__(container_strategy, mesh, plan, communication_options,
+                     sequence_parallel=sequence_parallel,
+                     float32_sums=float32_sums)
+    self._groups = collectives.TensorGroups(
+        self._local_groups, self._collective_keys,
+        self._communication_options)
+    self._memo = layers_lib.Memo(self._groups, sequence_parallel,
+                                 float32_sums)
+    self._first_replica = mesh.replicas.index(self._local_groups[0])
+
+  @property
+  def tensor_groups(self):
+    """The `collectives.TensorGroups` (devices, launchers)."""
+    return self._groups
+
+  # Variables: on every data x tensor device.
+
+  def _create_variable(self, next_creator, **kwargs):
+    if kwargs.get("colocate_with") is None:
+      kwargs["colocate_with"] = engine_extended.DeviceSet(
+          self._groups.devices)
+    return super()._create_variable(next_creator, **kwargs)
+
+  # Sharding.
+
+  def prepare_model(self, model):
+    if not self.is_prepared(model) and model.built:
+      self.shard_model(model)
+    elif self.is_prepared(model) and (
+        getattr(model, "optimizer", None) is not None):
+      self._adopt(model.optimizer, model)
+
+  def shard_model(self, model):
+    """Splits `model`'s weights per the plan into SPMD variables and makes
+    its split layers compute SPMD."""
+    already = tuple(
+        layer._tfpar_layer_layout  # pylint: disable=protected-access
+        for layer in keras_layers.flatten_layers(
+            model, include_self=False)
+        if getattr(layer, "_tfpar_layer_layout", None) is not None)
+    optimizer = getattr(model, "optimizer", None)
+    if not already:
+      checks.check_model(model, self._sequence_parallel)
+      checks.check_optimizer(optimizer)
+      already = plan_lib.as_plan(self._plan).resolve(model, self.tensor_size)
+      checks.check_layouts(already)
+      strategy = self._container_strategy()
+      paired = layers_lib.paired_layers(model, already)
+      for layout in already:
+        weights_lib.split_layer(layout, self.tensor_size, strategy)
+        layers_lib.install(layout, self._memo, paired)
+        object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
+    if self._sequence_parallel:
+      sequence_lib.install(model, self._memo.slices)
+    object.__setattr__(model, "_tfpar_layouts", already)
+    whole_weights.install(model)
+    if optimizer is not None and optimizer.built and not getattr(
+        optimizer, "_tfpar_adopted", False):
+      # Built for the unsharded weights (keras.models.load_model): move
+      # its state to a twin built for the shards.
+      with self._container_strategy().scope():
+        optimizer_lib.rebuild_for_shards(model)
+      optimizer = model.optimizer
+    if optimizer is not None:
+      self._adopt(optimizer, model)
+
+  def _adopt(self, optimizer, model):
+    checks.check_optimizer(optimizer)
+    optimizer_lib.adopt(optimizer, model, self._groups, self._memo.slices)
+
+  # Running a replica: one trace per device.
+
+  def _expand(self, structure):
+    """Each replica's component handed to every device of its group."""
+    groups, replicas = self._groups.groups, len(self._groups.groups)
+
+    def expand(value):
+      if not _is_values(value) or len(value.values) != replicas:
+        return value
+      components = []
+      for component, group in zip(value.values, groups):
+        components.append(component)
+        for device in group[1:]:
+          with tf.device(device):
+            components.append(nest.map_structure(
+                tf.identity, component, expand_composites=True))
+      return values_lib.PerReplica(tuple(components))
+    return nest.map_structure(expand, structure)
+
+  def _is_per_device(self, value):
+    """Whether `value` has one component per data x tensor device."""
+    return (self.tensor_size > 1 and
+            isinstance(value, values_lib.DistributedValues) and
+            len(value.values) == len(self._groups.devices))
+
+  def _collapse(self, structure):
+    """Per-device results as per-replica ones: each group's first device."""
+    t = self.tensor_size
+
+    def collapse(value):
+      if _is_values(value) and self._is_per_device(value):
+        return type(value)(tuple(value.values[::t]))
+      return value
+    return nest.map_structure(collapse, structure)
+
+  def _call_for_each_replica(self, fn, args, kwargs):
+    self.prepare_pending_models()
+    for model in self.registered_models():
+      checks.check_optimizer(getattr(model, "optimizer", None))
+    if tf.executing_eagerly():
+      raise ValueError(
+          "TensorParallelStrategy(spmd=True) runs replica functions traced "
+          "(each device of a tensor group traces its own copy, and their "
+          "collectives cannot run one after another eagerly). Received: an "
+          "eager strategy.run (run_eagerly=True?); compile with "
+          "run_eagerly=False or call strategy.run inside a tf.function.")
+    t = self.tensor_size
+    ids = [spmd_run.DeviceReplicaId(self._first_replica + index // t, index,
+                                    index % t)
+           for index in range(len(self._groups.devices))]
+    self._memo.clear()
+    try:
+      result = spmd_run.run_on_devices(
+          self._container_strategy(), spmd_run.traceable(fn),
+          self._expand(args or ()), self._expand(kwargs or {}),
+          self._groups.devices, ids)
+    finally:
+      self._memo.clear()
+    watchdog.touch()
+    self.check_models_prepared()
+    return self._collapse(result)
+
+  # Reductions: within each tensor column, over the data replicas.
+
+  def _column_values(self, value, column):
+    """The components of per-device `value` on the `column`-th device of
+    every group (variables read), as per-replica values."""
+    t = self.tensor_size
+    return values_lib.PerReplica(tuple(
+        tf.convert_to_tensor(v) if isinstance(v, tf.Variable) else v
+        for v in value.values[column::t]))
+
+  def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    if not value_destination_pairs or not all(
+        self._is_per_device(v) for v, _ in value_destination_pairs):
+      return super()._batch_reduce_to(reduce_op, value_destination_pairs,
+                                      options)
+    t = self.tensor_size
+    to_every_device = [
+        isinstance(d, values_lib.DistributedValues) and
+        len(d.values) == len(self._groups.devices)
+        for _, d in value_destination_pairs]
+    if not all(to_every_device):
+      return [self._reduce_to(reduce_op, v, d, options)
+              for v, d in value_destination_pairs]
+    pairs = []
+    for column in range(t):
+      for value, _ in value_destination_pairs:
+        part = self._column_values(value, column)
+        pairs.append((part, part))
+    reduced = super()._batch_reduce_to(reduce_op, pairs, options)
+    count = len(value_destination_pairs)
+    results = []
+    for index in range(count):
+      columns = [_components(reduced[column * count + index])
+                 for column in range(t)]
+      results.append(values_lib.Mirrored(tuple(
+          columns[k][d] for d in range(len(self._groups.groups))
+          for k in range(t))))
+    return results
+
+  def _reduce_to(self, reduce_op, value, destinations, options):
+    if not self._is_per_device(value):
+      return super()._reduce_to(reduce_op, value, destinations, options)
+    if (isinstance(destinations, values_lib.DistributedValues) and
+        len(destinations.values) == len(self._groups.devices)):
+      return self._batch_reduce_to(reduce_op, [(value, destinations)],
+                                   options)[0]
+    return super()._reduce_to(reduce_op, self._column_values(value, 0),
+                              destinations, options)

@@ -1,0 +1,177 @@
+"""Split weights under SPMD: one variable per weight, a shard per device.
+
+Under SPMD every device of a tensor group runs the same trace, so a split
+weight is ONE Keras variable whose storage is a mirrored variable over all
+`data x tensor` devices: the component on the k-th device of every replica
+holds shard k. Each trace reads its own component (its local shard), the
+optimizer updates each component with that component's gradients, and
+Keras's trainer and optimizer see an ordinary variable of the shard's
+shape. `SpmdWeight` is its whole view (`model.weights`, `get_weights`,
+saving), read and written column by column through `ColumnPiece`s.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpar._compat import keras_layers
+from tfpar.common.split_weights import install_logical_saving
+from tfpar.common.split_weights import LogicalTensor
+from tfpar.common.split_weights import record_logical_weight
+from tfpar.common.split_weights import ShardedWeight
+from tfpar.engine import whole_state
+
+
+class ColumnPiece:
+  """Shard `column` of a variable held on every device: the components on
+  the `column`-th device of every replica (kept equal by training).
+
+  Args:
+    variable: a Keras variable whose storage is mirrored over the data x
+      tensor devices, replica-major.
+    column: the index within the tensor group.
+    tensor_size: devices per tensor group.
+  """
+
+  def __init__(self, variable, column, tensor_size):
+    self._variable = variable
+    self._column = column
+    self._tensor_size = tensor_size
+    self.path = f"{variable.path}_column{column}"
+
+  def _components(self):
+    values = keras_layers.storage(self._variable).values
+    return values[self._column::self._tensor_size]
+
+  shape = property(lambda self: tuple(self._variable.shape))
+  dtype = property(lambda self: self._variable.dtype)
+  trainable = property(lambda self: self._variable.trainable)
+
+  @property
+  def value(self):
+    """The shard as held by the first replica."""
+    return tf.convert_to_tensor(self._components()[0])
+
+  def numpy(self):
+    """The shard, as a NumPy array."""
+    return self._components()[0].numpy()
+
+  def assign(self, value):
+    """Sets the shard on every replica."""
+    for component in self._components():
+      component.assign(value)
+
+
+class SpmdWeight(ShardedWeight):
+  """The whole view of a weight split under SPMD.
+
+  Args:
+    layout: its `VariableLayout`.
+    variable: the Keras variable holding shard k on the k-th device of
+      every replica.
+    tensor_size: devices per tensor group.
+  """
+
+  def __init__(self, layout, variable, tensor_size):
+    super().__init__(layout, [ColumnPiece(variable, k, tensor_size)
+                              for k in range(tensor_size)])
+    self.variable = variable
+    variable._tfpar_shard_of = (self, 0)  # pylint: disable=protected-access
+
+
+def _owners(layer):
+  """{variable path: (owning layer, variable)} inside `layer`."""
+  owners = {}
+  for sub in keras_layers.flatten_layers(layer, include_self=True):
+    for variable in keras_layers.own_variables(sub):
+      owners[variable.path] = (sub, variable)
+  return owners
+
+
+def split_layer(layer_layout, tensor_size, strategy):
+  """Replaces each split variable of a layer by one SPMD variable.
+
+  Args:
+    layer_layout: the layer's `LayerLayout`.
+    tensor_size: devices per tensor group.
+    strategy: the strategy (its scope creates the new variables over
+      every data x tensor device).
+
+  Returns:
+    The `SpmdWeight`s created.
+  """
+  owners = _owners(layer_layout.layer)
+  created = []
+  for variable_layout in layer_layout.variables:
+    if variable_layout.axis is None:
+      continue
+    owner, variable = owners[variable_layout.path]
+    pieces = np.split(np.asarray(variable.numpy()), tensor_size,
+                      variable_layout.axis)
+    with strategy.scope():
+      local = keras.Variable(pieces[0], dtype=variable.dtype,
+                             trainable=variable.trainable, name=variable.name)
+    for index, component in enumerate(keras_layers.storage(local).values):
+      component.assign(pieces[index % tensor_size])
+    keras_layers.set_path(local, variable.path)
+    weight = SpmdWeight(variable_layout, local, tensor_size)
+    _replace(owner, variable, local, weight)
+    created.append(weight)
+  for owner in {owners[w.path][0] for w in created}:
+    install_logical_saving(owner)
+  return created
+
+
+def _replace(owner, variable, local, weight):
+  """Puts `local` where `variable` was in `owner`'s variable lists and
+  attributes, and `weight` in its logical order (saving)."""
+  record_logical_weight(owner, variable, weight)
+  for store in keras_layers.variable_lists(owner):
+    for position, item in enumerate(store):
+      if item is variable:
+        store[position] = local
+        break
+  for attribute, value in list(vars(owner).items()):
+    if value is variable:
+      object.__setattr__(owner, attribute, local)
+      # tf.train.Checkpoint follows tracked attributes: save the whole
+      # weight where the variable was (the local one would save shard 0).
+      keras_layers.track(owner, weight, attribute)
+
+
+def spmd_weights(model):
+  """{path: SpmdWeight} of a model sharded under SPMD."""
+  found = {}
+  for layer in keras_layers.flatten_layers(model, include_self=True):
+    for item in getattr(layer, "_tfpar_logical_order", ()):
+      if isinstance(item, SpmdWeight):
+        found[item.path] = item
+  return found
+
+
+def optimizer_entries(optimizer, model):
+  """`optimizer.variables` as an unsharded model's optimizer has them: the
+  slots of a split weight whole (`LogicalTensor`s over their columns)."""
+  weights = spmd_weights(model)
+  prefixes = {w.path.replace("/", "_") + "_": w for w in weights.values()}
+  entries = []
+  for item in optimizer.variables:
+    name = getattr(item, "name", "")
+    weight = next((w for p, w in prefixes.items() if name.startswith(p) and
+                   tuple(item.shape) == tuple(w.variable.shape)), None)
+    if weight is None:
+      entries.append(item)
+      continue
+    t = len(weight.shards)
+    entries.append(LogicalTensor([ColumnPiece(item, k, t) for k in range(t)],
+                                 weight.axis))
+  return entries
+
+
+def adopt_optimizer(optimizer, model):
+  """Makes `optimizer` save and load whole slots (any layout loads them)."""
+  if getattr(optimizer, "_tfpar_adopted", False):
+    return
+  whole_state.save_whole_state(optimizer,
+                               lambda: optimizer_entries(optimizer, model))
+  object.__setattr__(optimizer, "_tfpar_adopted", True)
