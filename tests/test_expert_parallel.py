@@ -306,9 +306,16 @@ def test_slots_keep_first_choices_first():
       e = experts[token, choice]
       if filled[e] < 7:
         expected_kept[token, choice] = True
-        assert slot.numpy()[token, choice] == e * 7 + filled[e]
         filled[e] += 1
   np.testing.assert_array_equal(kept.numpy(), expected_kept)
+  # Each expert's kept tokens sit in token order.
+  placed = collections.Counter()
+  for token in range(50):
+    for choice in range(2):
+      if expected_kept[token, choice]:
+        e = experts[token, choice]
+        assert slot.numpy()[token, choice] == e * 7 + placed[e]
+        placed[e] += 1
   assert np.all(slot.numpy()[~expected_kept] == 4 * 7)
 
 

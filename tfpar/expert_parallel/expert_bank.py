@@ -21,10 +21,17 @@ def fresh_initializer(initializer):
 
 
 def _project(x, kernel):
-  """x [N, a] (the same tokens for every expert) or [E, N, a] through
-  kernel [E, a, b]: [E, N, b]."""
-  subscripts = "na,eab->enb" if x.shape.rank == 2 else "ena,eab->enb"
-  return tf.einsum(subscripts, x, kernel)
+  """x [E, N, a] through kernel [E, a, b]: [E, N, b], a batch matmul.
+
+  Not `tf.einsum`: under a float16 policy TensorFlow's CPU einsum
+  accumulates in float16 (its rounding depends on the blocking of the
+  whole contraction), while a matmul accumulates in float32 and rounds
+  each element once. Each expert's product then rounds the same whether
+  its tokens come from one device or from every replica of its expert
+  group, and so does its input gradient (per expert, then summed over the
+  experts in expert order: `routing.dispatch`).
+  """
+  return tf.matmul(x, kernel)
 
 
 class ExpertBank(keras.layers.Layer):
@@ -87,6 +94,13 @@ class ExpertBank(keras.layers.Layer):
     Returns:
       [E', N, h]: expert e's output for its tokens.
     """
+    if x.shape.rank == 2:
+      # One copy of the tokens per expert, used by every projection of
+      # that expert: each expert's input gradient is rounded on its own
+      # and the copies' gradients are summed in expert order (the gradient
+      # of `broadcast_to`), as the expert layouts sum a token's experts'.
+      x = tf.broadcast_to(x[None], tf.concat([[kernels[0].shape[0]],
+                                              tf.shape(x)], 0))
     if self.gated:
       gate, up, down = kernels
       inner = self.activation(_project(x, gate)) * _project(x, up)

@@ -11,7 +11,6 @@ assigns as one device's variable does: `numpy()`, `np.asarray`,
 component's experts from one.
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 

@@ -44,8 +44,8 @@ class Family:
       keras-hub's (private) name.
     contraction: how the block's own (dense) call sums each token's
       weighted expert outputs, for `routing.combine` to round as it does:
-      "multiply" (products, then a sum: keras-hub's) or "einsum"
-      (`moe_block`'s).
+      "multiply" (products, then a sum: keras-hub's) or "matmul"
+      (`moe_block`'s, which calls `routing.combine` itself).
   """
   name: str
   expert_weight_names: tuple
@@ -118,12 +118,12 @@ FAMILIES = (
            _tfpar_experts, normalize=lambda block: block.normalize_top_k,
            aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
            matches=_tfpar_block(gated=True), router="router",
-           contraction="einsum"),
+           contraction="matmul"),
     Family("tfpar.MoE (gated=False)", expert_bank.PLAIN_WEIGHTS,
            _tfpar_experts, normalize=lambda block: block.normalize_top_k,
            aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
            matches=_tfpar_block(gated=False), router="router",
-           contraction="einsum"),
+           contraction="matmul"),
 )
 
 

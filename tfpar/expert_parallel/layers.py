@@ -98,8 +98,7 @@ def build_call(block, family, context):
     capacity = routing.capacity(tokens, num_experts, block.top_k,
                                 context.capacity_factor)
     slot, kept = routing.slots(experts, num_experts, capacity)
-    slot = routing.in_token_order(experts, kept, num_experts, capacity)
-    buffer = routing.dispatch(x, slot, num_experts * capacity)
+    buffer = routing.dispatch(x, slot, num_experts * capacity, experts)
     if replica is None:  # One device, every expert here.
       whole = [tf.cast(context.whole_value(v), x.dtype) for v in variables]
       received = tf.reshape(buffer, [1, -1, hidden])

@@ -9,7 +9,8 @@ strategy replaces its `call` (which is why `tfpar.MoE`, whose
 call returns the output alone, wraps it rather than being it).
 
 On its own it computes densely, as keras-hub's Mixtral block does: every
-expert runs on every token and each token sums its top-k experts' outputs.
+expert runs on every token and each token sums its top-k experts' outputs
+(`routing.combine`, as the expert layouts do).
 """
 
 import keras
@@ -69,11 +70,12 @@ class MoEBlock(keras.layers.Layer):
     weights, experts = routing.route(router_probs, self.top_k,
                                      self.normalize_top_k)
     expert_out = self.expert_bank(x)  # [E, T, h]
-    chosen = tf.one_hot(experts, self.num_experts, dtype=expert_out.dtype)
-    # Each token's weight for each expert: 0 unless among its top k.
-    token_weights = tf.einsum("tke,tk->et", chosen,
-                              tf.cast(weights, expert_out.dtype))
-    out = tf.einsum("eth,et->th", expert_out, token_weights)
+    # Each token's k outputs, combined as the expert layouts combine them
+    # (row e * T + t of expert_out is expert e's output for token t).
+    tokens = tf.shape(x)[0]
+    slot = experts * tokens + tf.range(tokens)[:, None]
+    out = routing.combine(tf.reshape(expert_out, [-1, self.hidden_dim]),
+                          slot, weights, experts, contraction="matmul")
     if training:
       mask = (tf.ones_like(router_probs[:, 0]) if attention_mask is None
               else tf.reshape(attention_mask, [-1]))

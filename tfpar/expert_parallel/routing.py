@@ -7,7 +7,7 @@ then token order. An assignment past the capacity is dropped: that expert
 adds nothing to the token (the residual connection carries it).
 
 Slot `e * C + p` of a replica's dispatch buffer holds the p-th token (in
-token order, `in_token_order`) it sends to expert e; the buffer's extra
+token order, `slots`) it sends to expert e; the buffer's extra
 last row collects what is dropped.
 """
 
@@ -82,7 +82,14 @@ def route(router_probs, top_k, normalize):
 
 
 def slots(experts, num_experts, capacity_per_expert):
-  """Each assignment's slot in the dispatch buffer.
+  """Which assignments are kept, and each kept one's slot in the dispatch
+  buffer.
+
+  Expert e keeps at most C assignments, by priority: every token's first
+  choice before any token's second choice, then token order (GShard,
+  DeepSpeed). Its kept tokens are then placed in the order of the tokens
+  themselves, so that an expert's kernel gradient adds its tokens' terms
+  in the order one device's dense computation adds them.
 
   Args:
     experts: [T, k] chosen experts.
@@ -90,78 +97,73 @@ def slots(experts, num_experts, capacity_per_expert):
     capacity_per_expert: C.
 
   Returns:
-    (slot [T, k] int32: `e * C + position`, or `E * C` when dropped;
+    (slot [T, k] int32: `e * C + position` with the position among e's
+     kept tokens in token order, or `E * C` when dropped;
      kept [T, k] bool)
 
   Example:
 
   >>> slot, kept = slots(tf.constant([[0, 1], [0, 1], [0, 2]]), 3, 2)
-  >>> slot.numpy().tolist()  # Token 2's first choice is past capacity 2.
-  [[0, 2], [1, 3], [6, 4]]
-  >>> kept.numpy().tolist()
+  >>> kept.numpy().tolist()  # Token 2's first choice is past capacity 2.
   [[True, True], [True, True], [False, True]]
+  >>> slot.numpy().tolist()
+  [[0, 2], [1, 3], [6, 4]]
+  >>> slot, kept = slots(tf.constant([[0, 1], [1, 0]]), 2, 2)
+  >>> slot.numpy().tolist()  # Expert 0 holds token 0, then token 1.
+  [[0, 2], [3, 1]]
   """
   tokens = tf.shape(experts)[0]
   top_k = experts.shape[1]
+  # Priority positions: [k * T, E], k-major (first choices first).
   one_hot = tf.one_hot(tf.transpose(experts), num_experts, dtype=tf.int32)
-  one_hot = tf.reshape(one_hot, [-1, num_experts])  # [k * T, E], k-major.
+  one_hot = tf.reshape(one_hot, [-1, num_experts])
   position = tf.math.cumsum(one_hot, axis=0, exclusive=True)
   position = tf.reduce_sum(position * one_hot, axis=1)
   position = tf.transpose(tf.reshape(position, [top_k, tokens]))  # [T, k]
   kept = position < capacity_per_expert
+  # Positions among each expert's kept tokens: [T * k, E], token-major.
+  chosen = tf.one_hot(experts, num_experts, dtype=tf.int32)
+  chosen = chosen * tf.cast(kept, tf.int32)[..., None]
+  flat = tf.reshape(chosen, [-1, num_experts])
+  position = tf.reduce_sum(
+      tf.math.cumsum(flat, axis=0, exclusive=True) * flat, axis=1)
+  position = tf.reshape(position, [-1, top_k])
   slot = tf.where(kept, experts * capacity_per_expert + position,
                   num_experts * capacity_per_expert)
   return slot, kept
 
 
-def dispatch(tokens, slot, buffer_rows):
+def dispatch(tokens, slot, buffer_rows, experts):
   """The dispatch buffer [buffer_rows, h]: row s holds the token whose
-  assignment has slot s (zeros where none does)."""
-  top_k = slot.shape[1]
-  hidden = tokens.shape[-1]
-  repeated = tf.repeat(tokens, top_k, axis=0)  # [T * k, h], token-major.
-  buffer = tf.scatter_nd(tf.reshape(slot, [-1, 1]), repeated,
-                         tf.stack([buffer_rows + 1, hidden]))
-  return buffer[:-1]
+  assignment has slot s (zeros where none does).
 
-
-def in_token_order(experts, kept, num_experts, capacity_per_expert):
-  """The slots of the kept assignments renumbered in token order.
-
-  `slots` decides which assignments are kept by priority (first choices
-  first); this places each expert's kept tokens in the order of the tokens
-  themselves, so that an expert's kernel gradient adds its tokens' terms
-  in the order one device's dense computation adds them (a compute-dtype
-  matmul that accumulates in that dtype, as float16 kernels on CPU do,
-  rounds differently in another order).
+  Each token's k copies are taken in expert order, so that the gradient of
+  the copies (a float16 sum under mixed_float16, which TensorFlow's CPU
+  `Sum` accumulates in float16, one element after the other) adds the
+  token's experts' input gradients in the order one device's dense block
+  adds every expert's (`expert_bank.ExpertBank.compute`).
 
   Args:
-    experts: [T, k] chosen experts.
-    kept: [T, k] bool, from `slots`.
-    num_experts: E.
-    capacity_per_expert: C.
-
-  Returns:
-    slot [T, k] int32: `e * C + position`, or `E * C` when dropped.
+    tokens: [T, h] the replica's tokens.
+    slot: [T, k] from `slots` (dropped assignments point at
+      `buffer_rows`).
+    buffer_rows: E * C.
+    experts: [T, k] the chosen experts.
 
   Example:
 
-  >>> experts = tf.constant([[0, 1], [1, 0]])
-  >>> slot, kept = slots(experts, 2, 2)
-  >>> slot.numpy().tolist()  # First choices first: token 1's 1 before 0's.
-  [[0, 3], [2, 1]]
-  >>> in_token_order(experts, kept, 2, 2).numpy().tolist()
-  [[0, 2], [3, 1]]
+  >>> tokens = tf.constant([[1.0], [2.0]])
+  >>> dispatch(tokens, tf.constant([[2, 0], [1, 4]]), 4,
+  ...          tf.constant([[1, 0], [0, 1]])).numpy().ravel().tolist()
+  [1.0, 2.0, 1.0, 0.0]
   """
-  top_k = experts.shape[1]
-  chosen = tf.one_hot(experts, num_experts, dtype=tf.int32)  # [T, k, E]
-  chosen = chosen * tf.cast(kept, tf.int32)[..., None]
-  flat = tf.reshape(chosen, [-1, num_experts])  # [T * k, E], token-major.
-  position = tf.reduce_sum(
-      tf.math.cumsum(flat, axis=0, exclusive=True) * flat, axis=1)
-  position = tf.reshape(position, [-1, top_k])
-  return tf.where(kept, experts * capacity_per_expert + position,
-                  num_experts * capacity_per_expert)
+  hidden = tokens.shape[-1]
+  order = tf.argsort(experts, axis=1, stable=True)
+  slot = tf.gather(slot, order, batch_dims=1)
+  repeated = tf.repeat(tokens, slot.shape[1], axis=0)  # [T * k, h].
+  buffer = tf.scatter_nd(tf.reshape(slot, [-1, 1]), repeated,
+                         tf.stack([buffer_rows + 1, hidden]))
+  return buffer[:-1]
 
 
 def combine(expert_out, slot, weights, experts, contraction="multiply"):
@@ -170,28 +172,39 @@ def combine(expert_out, slot, weights, experts, contraction="multiply"):
 
   The k assignments are taken in expert order, as a dense block sums over
   the experts. keras-hub's blocks multiply [E, T, h] outputs by their
-  weights and sum the products ("multiply"); `tfpar.MoE`'s contracts them
-  in one einsum ("einsum"), which under a mixed policy rounds the sum
-  once: there, products rounded first put the first loss 1.7e-6 off one
-  device's under mixed_bfloat16, and another einsum layout 3.3e-6 off
-  under mixed_float16 with 4 assignments (now equal).
+  weights and sum the products ("multiply"); `tfpar.MoE`'s block gathers
+  each token's k outputs on one device too and takes the weighted sum as
+  one batch matmul per token ("matmul", float32 accumulation rounded
+  once), so that the sum and its gradients (the routing weights' a dot
+  product over the hidden units) round alike for any number of experts,
+  tokens or replicas.
 
   Args:
     expert_out: [E * C, h] the experts' outputs in dispatch-buffer order.
-    slot: [T, k] from `slots` or `in_token_order` (dropped assignments
-      point past the end).
+    slot: [T, k] from `slots` (dropped assignments point past the
+      end).
     weights: [T, k] routing weights.
     experts: [T, k] the chosen experts.
-    contraction: "multiply" or "einsum" (`families.Family.contraction`).
+    contraction: "multiply" or "matmul" (`families.Family.contraction`).
+
+  Example:
+
+  >>> out = tf.constant([[1.0], [10.0], [100.0]])  # Rows 0-2 of E * C.
+  >>> combine(out, tf.constant([[2, 0], [1, 3]]), tf.constant(
+  ...     [[0.5, 0.25], [1.0, 1.0]]), tf.constant([[1, 0], [0, 1]]),
+  ...     "matmul").numpy().ravel().tolist()  # 0.25 + 50; 10 + dropped.
+  [50.25, 10.0]
   """
   order = tf.argsort(experts, axis=1, stable=True)
-  slot = tf.transpose(tf.gather(slot, order, batch_dims=1))  # [k, T]
-  weights = tf.transpose(tf.gather(weights, order, batch_dims=1))
+  slot = tf.gather(slot, order, batch_dims=1)  # [T, k], expert order.
+  weights = tf.gather(weights, order, batch_dims=1)
   padded = tf.concat([expert_out, tf.zeros_like(expert_out[:1])], 0)
-  gathered = tf.gather(padded, slot)  # [k, T, h]
-  weights = tf.cast(weights, gathered.dtype)
-  if contraction == "einsum":
-    return tf.einsum("kth,kt->th", gathered, weights)
+  if contraction == "matmul":
+    gathered = tf.gather(padded, slot)  # [T, k, h]
+    weights = tf.cast(weights, gathered.dtype)
+    return tf.matmul(weights[:, None, :], gathered)[:, 0, :]
+  gathered = tf.gather(padded, tf.transpose(slot))  # [k, T, h]
+  weights = tf.cast(tf.transpose(weights), gathered.dtype)
   return tf.reduce_sum(gathered * weights[..., None], axis=0)
 
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tfpar.common.split_weights import logical_entries
 from tfpar.common.split_weights import sharded_weights
 from tfpar.common import whole_weights
+from tfpar.expert_parallel import context as context_lib
 from tfpar.expert_parallel import extended as expert_extended
 from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import optimizer as expert_optimizer
@@ -52,7 +53,7 @@ class ExpertTensorParallelExtended(expert_extended.ExpertSplitting,
     groups = groups_lib.ExpertGroups(mesh.num_replicas, expert)
     super().__init__(container_strategy, mesh, plan, communication_options,
                      float32_sums=True)
-    self._context = expert_extended.MoEContext(
+    self._context = context_lib.MoEContext(
         self, groups, capacity_factor, columns=self.tensor_size,
         on_column=self._on_column)
 

@@ -21,6 +21,7 @@ share of the batch, as the pipeline weighs every loss term).
 
 from tfpar._compat import keras_layers
 from tfpar.common import whole_weights
+from tfpar.expert_parallel import context as context_lib
 from tfpar.expert_parallel import extended as expert_extended
 from tfpar.expert_parallel import families
 from tfpar.expert_parallel import groups as groups_lib
@@ -46,7 +47,7 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
     groups = groups_lib.ExpertGroups(mesh.num_replicas, expert)
     super().__init__(container_strategy, mesh, **pipeline_options)
     self._stage_columns = {}  # block path -> its stage's device column
-    self._context = expert_extended.MoEContext(
+    self._context = context_lib.MoEContext(
         self, groups, capacity_factor,
         stage_columns=range(self.pipeline_size))
 

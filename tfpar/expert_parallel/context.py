@@ -1,0 +1,140 @@
+"""`MoEContext`: what an expert-parallel MoE block's call (`layers.py`)
+needs from its strategy: the expert groups and their launchers, where each
+expert variable lives, whole expert values for calls outside the replicas,
+and the routing drop counters."""
+
+import tensorflow as tf
+
+from tfpar._compat import distribute
+from tfpar._compat import keras_layers
+from tfpar._compat import keras_modules
+from tfpar.common import whole_weights
+from tfpar.expert_parallel import groups as groups_lib
+from tfpar.expert_parallel import optimizer as optimizer_lib
+from tfpar.expert_parallel import variables as variables_lib
+
+
+class MoEContext:
+  """What an expert-parallel MoE call needs from its strategy.
+
+  Args:
+    extended: the `ExpertParallelExtended`.
+    groups: the `ExpertGroups`.
+    capacity_factor: None (no token is dropped) or a positive number.
+    columns: devices of a replica that hold each weight's experts.
+    on_column: under expert x tensor, runs experts on a tensor column.
+    stage_columns: the devices of a replica that run MoE blocks: its head
+      (0), or under expert x pipeline every stage's device.
+  """
+
+  def __init__(self, extended, groups, capacity_factor, columns=1,
+               on_column=None, stage_columns=(0,)):
+    self._extended = extended
+    self.groups = groups
+    self.capacity_factor = capacity_factor
+    # Devices of a replica that hold a weight's experts: 1 (its head or
+    # its stage's device), or the tensor size under expert x tensor, where
+    # `on_column(k, fn, *inputs)` runs `fn` forward and backward on the
+    # running replica's k-th device.
+    self.columns = columns
+    self.on_column = on_column
+    self.stage_columns = tuple(stage_columns)
+    self._launchers = None
+    self._expert_variables = {}  # id of tf variable -> ExpertWeight
+    self._columns_of = {}  # id of tf variable -> its device column
+    self._token_columns = {}  # block path -> the column running it
+    self.drop_counters = {}  # block path -> tf.Variable [dropped, routed]
+
+  @property
+  def launchers(self):
+    if self._launchers is None:
+      extended = self._extended
+      self._launchers = groups_lib.Launchers(
+          self.groups, extended.mesh.replicas, extended.local_replica_ids(),
+          distribute.communication_options(extended),
+          columns=max(self.columns, max(self.stage_columns) + 1),
+          token_columns=self.stage_columns)
+    return self._launchers
+
+  def token_column(self, block):
+    """The device column of a replica that runs `block` (0: the head)."""
+    return self._token_columns.get(block.path, 0)
+
+  def replica_id(self):
+    """This strategy's replica id in a replica context, else None."""
+    strategy = distribute.container_strategy(self._extended)
+    context = tf.distribute.get_replica_context()
+    if (context is None or not tf.distribute.has_strategy() or
+        tf.distribute.get_strategy() is not strategy):
+      return None
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return None if replica is None else int(replica)
+
+  def register(self, weight, block=None, first_column=0):
+    """Records a split `weight` of `block`, whose k-th variable lives on
+    the replicas' device column `first_column + k`."""
+    if block is not None:
+      self._token_columns[block.path] = first_column
+    for column, variable in enumerate(weight.variables):
+      for key in (id(variable.value), id(keras_layers.storage(variable))):
+        self._expert_variables[key] = weight
+        self._columns_of[key] = first_column + column
+
+  def weight_of(self, variable):
+    """The `ExpertWeight` of an expert Keras variable."""
+    return self._expert_variables[id(keras_layers.storage(variable))]
+
+  def column_of(self, variable):
+    """The device column holding an expert tf.Variable (its tensor column,
+    its pipeline stage's device, else 0)."""
+    return self._columns_of.get(id(variable), 0)
+
+  def expert_weights(self):
+    """Every `ExpertWeight` split so far."""
+    return list(self._expert_variables.values())
+
+  def saved_expert_weights(self, model):
+    """`model`'s expert weights and its optimizer's expert slots, as whole
+    `ExpertWeight` views, in the order saving reads them."""
+    held = whole_weights.held(model)  # `weights` lists them whole.
+    weights = [w for w in self.expert_weights()
+               if any(w.variable is v for v in held)]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+      weights += [e for e in optimizer_lib.whole_entries(optimizer, self)
+                  if isinstance(e, variables_lib.ExpertWeight)]
+    return weights
+
+  def is_expert_variable(self, variable):
+    return id(variable) in self._expert_variables
+
+  def whole_value(self, variable):
+    """The whole [E, ...] tensor of an expert variable, for calls outside
+    the replicas (every rank must be on this worker, except while Keras
+    traces shapes only)."""
+    # Not `variable.value`: inside a layer under a mixed policy that is a
+    # cast copy.
+    weight = self._expert_variables[id(keras_layers.storage(variable))]
+    return self.whole_of(weight)
+
+  def whole_of(self, weight):
+    """The whole [E, ...] tensor of an `ExpertWeight` (see `whole_value`)."""
+    by_rank = weight.components_by_rank()
+    missing = [r for r in range(self.groups.expert) if r not in by_rank]
+    if missing and keras_modules.symbolic_scope.in_symbolic_scope():
+      # Keras building the model symbolically: only shapes flow.
+      piece = next(iter(by_rank.values()))
+      return tf.zeros(list(weight.shape), piece.dtype)
+    if missing:
+      raise ValueError(
+          f"Calling the model outside the strategy's replicas needs the "
+          f"whole expert weight {weight.path!r}, but the experts of rank(s) "
+          f"{missing} live on other workers (the expert groups span "
+          f"workers). Use fit / evaluate / predict, or strategy.run.")
+    return weight.whole_tensor()
+
+  def count_drops(self, block, kept):
+    counter = self.drop_counters[block.path]
+    dropped = tf.reduce_sum(tf.cast(tf.logical_not(kept), tf.float32))
+    routed = tf.cast(tf.size(kept), tf.float32)
+    counter.assign_add(tf.stack([dropped, routed]))
