@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import os
 import threading
-import weakref
 
 import tensorflow as tf
 
@@ -28,12 +27,12 @@ from tfpar import watchdog
 from tfpar._compat import keras_optimizer_hooks
 from tfpar._compat import runtime
 from tfpar._compat.tf_modules import collective_all_reduce_strategy
-from tfpar._compat.tf_modules import cross_device_ops_lib
 from tfpar._compat.tf_modules import nest
 from tfpar._compat.tf_modules import values_lib
 from tfpar.engine import bfloat16_gather
-from tfpar.engine import grouping
+from tfpar.engine import column_reductions
 from tfpar.engine import merge_free
+from tfpar.engine import prepared_models
 from tfpar.engine import spread
 
 # Each strategy instance needs its own collective keys (two instances that
@@ -86,6 +85,8 @@ def _reuse_running_server(extended, layout):
 
 
 class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
+                   prepared_models.PreparedModels,
+                   column_reductions.ColumnReductions,
                    collective_all_reduce_strategy.CollectiveAllReduceExtended):
   """Strategy engine over a `tfpar.Mesh`: replicas are device groups.
 
@@ -103,9 +104,8 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     _check_replicas_inside_workers(mesh)
     _check_not_tpu(mesh)
     self._mesh = mesh
-    self._column_ops = {}
-    self._models = []  # weakrefs of models created in scope.
-    self._preparing = threading.local()
+    self._init_prepared_models()
+    self._init_column_reductions()
     self._column = threading.local()
     keras_hooks.install_model_registration()
     keras_hooks.install_batch_size_checks()
@@ -233,122 +233,10 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
   def worker_devices_by_replica(self):
     return [list(group) for group in self._local_groups]
 
-  # Values on the k-th device of every replica (a tensor shard's or a
-  # pipeline stage's gradients) are reduced there, by a collective of their
-  # own per column, instead of TF's fallback that moves every value to the
-  # replica heads one at a time ("Efficient batch_reduce is not supported if
-  # destinations are different").
-
-  def column_of(self, value):
-    """The index within its replica group of the device holding a
-    per-replica value (its column), or None."""
-    if isinstance(value, values_lib.DistributedValues):
-      device = value.values[0].device
-    elif tf.is_tensor(value):
-      device = value.device  # One replica per worker.
-    else:
-      return None
-    if not device:
-      return None
-    spec = tf.DeviceSpec.from_string(device)
-    for group in self._local_groups:
-      for column, device in enumerate(group):
-        if tf.DeviceSpec.from_string(device) == spec:
-          return column
-    return None
-
-  def column_cross_device_ops(self, column):
-    """The `CollectiveAllReduce` over the devices at `column` of every
-    replica group (tensor shards' collectives)."""
-    if column not in self._column_ops:
-      self._column_ops[column] = cross_device_ops_lib.CollectiveAllReduce(
-          devices=[group[column] for group in self._local_groups],
-          group_size=self._mesh.num_replicas,
-          options=self._communication_options,
-          collective_keys=self._collective_keys)
-    return self._column_ops[column]
-
-  def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-    if any(bfloat16_gather.sparse_bfloat16(v)
-           for v, _ in value_destination_pairs):
-      return bfloat16_gather.reduce_sparse_as_float16(
-          lambda op, pairs: self._batch_reduce_to(op, pairs, options),
-          reduce_op, value_destination_pairs)
-    values = [v for v, _ in value_destination_pairs]
-    groups = grouping.reduction_groups([self.column_of(v) for v in values],
-                                       values)
-    if len(groups) == 1 and next(iter(groups))[0] == 0:
-      return super()._batch_reduce_to(reduce_op, value_destination_pairs,
-                                      options)
-    results = [None] * len(value_destination_pairs)
-    for (column, _), indices in groups.items():
-      pairs = [value_destination_pairs[i] for i in indices]
-      if column == 0:
-        reduced = super()._batch_reduce_to(reduce_op, pairs, options)
-      else:
-        reduced = self.column_cross_device_ops(column).batch_reduce(
-            reduce_op, pairs,
-            options=self._communication_options.merge(options))
-      for index, value in zip(indices, reduced):
-        results[index] = value
-    return results
-
-  # Models created in the strategy's scope (tfpar's Keras hook registers
-  # them) are prepared once built, before they first run: sharded, cut into
-  # pipeline stages. Keras enters the scope again before its symbolic build
-  # (which builds the optimizer), distributes data, then runs steps: each
-  # of these prepares pending models.
-
-  def register_model(self, model):
-    """Called by tfpar's Keras hook for every model created in scope."""
-    self._models.append(weakref.ref(model))
-
-  def registered_models(self):
-    """The live models created in this strategy's scope."""
-    models = [ref() for ref in self._models]
-    self._models = [weakref.ref(m) for m in models if m is not None]
-    return [m for m in models if m is not None]
-
-  def prepare_pending_models(self):
-    """Prepares every registered model (see `prepare_model`)."""
-    if getattr(self._preparing, "active", False):
-      return
-    self._preparing.active = True
-    try:
-      with tf.init_scope():
-        for model in self.registered_models():
-          self.prepare_model(model)
-    finally:
-      self._preparing.active = False
-
-  def prepare_model(self, model):
-    """Subclasses adapt a registered model here (it may be unbuilt or
-    prepared already)."""
-    del model
-
-  # What `prepare_model` does, for the error of a model that ran unprepared.
-  preparation = "prepare it"
-
-  def is_prepared(self, model):
-    """Whether `prepare_model` has adapted a built model."""
-    del model
-    return True
-
   def check_batch_size(self, batch_size, what="batch_size"):
     """Raises unless `batch_size` splits evenly over the data replicas
     (`fit`, `evaluate` and `predict` call it first; `tfpar.batches`)."""
     batches.check_even_split(batch_size, self._mesh.num_replicas, what)
-
-  def check_models_prepared(self):
-    """Raises if a model of this strategy got built while it ran, after it
-    could be prepared (it would silently run unprepared)."""
-    for model in self.registered_models():
-      if model.built and not self.is_prepared(model):
-        raise ValueError(
-            f"Model {model.name!r} was built while it ran, after tfpar could "
-            f"{self.preparation}. Build it inside strategy.scope() before "
-            f"compile/fit: give it a keras.Input, or call "
-            f"model.build(input_shape) or model(x).")
 
   def _experimental_distribute_dataset(self, dataset, options):
     self.prepare_pending_models()

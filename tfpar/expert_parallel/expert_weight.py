@@ -42,6 +42,7 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
 
   Example:
 
+  >>> import keras
   >>> weight = ExpertWeight("moe/w", keras.Variable(np.ones((2, 3))), [0], 1)
   >>> weight.numpy().shape, weight.shape, weight.name
   ((2, 3), (2, 3), 'w')

@@ -1,0 +1,71 @@
+"""Models created in a strategy's scope, prepared once built.
+
+tfpar's Keras hook registers every model created in a strategy's scope;
+the strategy prepares each (shards it, cuts it into pipeline stages) once
+it is built and before it first runs. Keras enters the scope again before
+its symbolic build (which builds the optimizer), distributes data, then
+runs steps: each of these prepares pending models, and a model built while
+a step ran (too late to prepare) is an error, not a silently unprepared
+model.
+"""
+
+import threading
+import weakref
+
+import tensorflow as tf
+
+
+class PreparedModels:
+  """Mixin of `MeshExtended`: the registry of models created in scope and
+  their preparation. Subclasses override `prepare_model`, `is_prepared`
+  and `preparation`."""
+
+  def _init_prepared_models(self):
+    self._models = []  # weakrefs of models created in scope.
+    self._preparing = threading.local()
+
+  def register_model(self, model):
+    """Called by tfpar's Keras hook for every model created in scope."""
+    self._models.append(weakref.ref(model))
+
+  def registered_models(self):
+    """The live models created in this strategy's scope."""
+    models = [ref() for ref in self._models]
+    self._models = [weakref.ref(m) for m in models if m is not None]
+    return [m for m in models if m is not None]
+
+  def prepare_pending_models(self):
+    """Prepares every registered model (see `prepare_model`)."""
+    if getattr(self._preparing, "active", False):
+      return
+    self._preparing.active = True
+    try:
+      with tf.init_scope():
+        for model in self.registered_models():
+          self.prepare_model(model)
+    finally:
+      self._preparing.active = False
+
+  def prepare_model(self, model):
+    """Subclasses adapt a registered model here (it may be unbuilt or
+    prepared already)."""
+    del model
+
+  # What `prepare_model` does, for the error of a model that ran unprepared.
+  preparation = "prepare it"
+
+  def is_prepared(self, model):
+    """Whether `prepare_model` has adapted a built model."""
+    del model
+    return True
+
+  def check_models_prepared(self):
+    """Raises if a model of this strategy got built while it ran, after it
+    could be prepared (it would silently run unprepared)."""
+    for model in self.registered_models():
+      if model.built and not self.is_prepared(model):
+        raise ValueError(
+            f"Model {model.name!r} was built while it ran, after tfpar could "
+            f"{self.preparation}. Build it inside strategy.scope() before "
+            f"compile/fit: give it a keras.Input, or call "
+            f"model.build(input_shape) or model(x).")
