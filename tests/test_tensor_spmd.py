@@ -9,15 +9,21 @@ would show). The communication log shows one all-reduce per Megatron f/g
 on every device, each sending the ring's 2 (t - 1) / t of its activation;
 with sequence parallelism reduce-scatters and all-gathers instead. Mixed
 policies are held to stock MirroredStrategy's spread from one device.
+
+keras-hub backbones (GPT-2; Llama with fewer key/value heads than
+devices) and gradient clipping and accumulation are compared with one
+device under the same settings.
 """
 
 import contextlib
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import hub_common
 import precision_common
 import stock_strategies
 import tfpar
@@ -255,12 +261,6 @@ def test_unsupported_settings_raise_before_any_work():
           keras.layers.Dense(16)(hidden)))
   with pytest.raises(ValueError, match="spmd must be True or False"):
     tfpar.TensorParallelStrategy(tfpar.Mesh({"tensor": 4}), spmd="yes")
-  strategy = _strategy(layout)
-  with pytest.raises(ValueError, match="clipnorm=1.0"):
-    with strategy.scope():  # Sharded as the scope closes: refused then.
-      model = tp_common.mlp()
-      model.compile(optimizer=keras.optimizers.Adam(0.01, clipnorm=1.0),
-                    loss="mse")
   x, y = tp_common.data("mlp", count=8)
   with _strategy(layout).scope():
     model = tp_common.mlp()
@@ -301,3 +301,99 @@ def test_mixed_policy_within_mirrored_spread(policy, layout,
   assert measured[2] <= 1e-6, measured
   precision_common.assert_within_spread(policy, False, measured, spread,
                                         first_loss=reference[0][0])
+
+
+def test_describe_lists_replicated_weights_on_every_device(runs):
+  strategy, model, _, _ = runs({"data": 2, "tensor": 2}, "adam")
+  rows = {line.split()[0]: line for line in strategy.describe(
+      model, print_fn=None).splitlines()}
+  assert rows["final_ln/gamma"].endswith("CPU:0,CPU:1,CPU:2,CPU:3")
+  assert rows["block0_mlp_in/kernel"].endswith(
+      "0: CPU:0,CPU:2 | 1: CPU:1,CPU:3")
+
+
+# keras-hub backbones, the smallest configs that split every kind of layer
+# (1 block, hidden 16, 4 query heads, the tied embedding; Llama's 2
+# key/value heads shared by 2 devices each at tensor 4), with clipping and
+# accumulation settings.
+_HUB = dict(vocabulary_size=hub_common.VOCAB, num_layers=1, hidden_dim=16,
+            intermediate_dim=32)
+HUB_CASES = [
+    ("gpt2", {"data": 2, "tensor": 2},
+     lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.05,
+                                  gradient_accumulation_steps=2)),
+    ("llama", {"data": 1, "tensor": 4},
+     lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.2)),
+]
+
+
+def _hub_model(family, **overrides):
+  keras.utils.set_random_seed(1)
+  if family == "gpt2":
+    backbone = keras_hub.models.GPT2Backbone(
+        num_heads=4, max_sequence_length=hub_common.SEQUENCE,
+        **{"dropout": 0.0, **_HUB, **overrides})
+  else:
+    backbone = keras_hub.models.LlamaBackbone(
+        **{"num_query_heads": 4, "num_key_value_heads": 2, **_HUB,
+           **overrides})
+  # The tied output head: the token embedding reversed (a CausalLM's).
+  return keras.Model(backbone.input,
+                     backbone.token_embedding(backbone.output, reverse=True))
+
+
+def _hub_fit(family, optimizer, strategy=None):
+  with strategy.scope() if strategy else contextlib.nullcontext():
+    model = _hub_model(family)
+    model.compile(optimizer=optimizer(), loss=keras.losses.
+                  SparseCategoricalCrossentropy(from_logits=True))
+  x, y = hub_common.data(family)
+  return model, tp_common.step_losses(model, x, y, epochs=1)
+
+
+@pytest.mark.parametrize("family,layout,optimizer", HUB_CASES,
+                         ids=["gpt2-2x2-clipnorm-accumulate", "llama-1x4-gqa-"
+                              "global_clipnorm"])
+def test_keras_hub_backbone_trains_like_one_device(family, layout, optimizer):
+  reference, reference_losses = _hub_fit(family, optimizer)
+  strategy = _strategy(layout)
+  model, losses = _hub_fit(family, optimizer, strategy)
+  assert len(losses) == hub_common.STEPS
+  np.testing.assert_allclose(losses, reference_losses, atol=1e-5, rtol=0)
+  expected, actual = (tfpar.logical_weights(reference),
+                      tfpar.logical_weights(model))
+  assert sorted(actual) == sorted(expected)
+  for path in expected:
+    np.testing.assert_allclose(actual[path], expected[path], atol=1e-5,
+                               rtol=0, err_msg=path)
+  # The clipping settings bind: the first step's one-device gradients are
+  # larger than them.
+  fresh = _hub_model(family)
+  x, y = hub_common.data(family, count=hub_common.BATCH)
+  with tf.GradientTape() as tape:
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+        y, fresh(x))
+  grads = tape.gradient(loss, fresh.trainable_variables)
+  norm = float(tf.linalg.global_norm(
+      [tf.convert_to_tensor(g) for g in grads]))
+  assert norm > 2 * (optimizer().global_clipnorm or optimizer().clipnorm)
+  # Tensor 4 > 2 key/value heads: their kernels stay whole on every device
+  # (each computes the head its query heads use; gradients summed).
+  if family == "llama":
+    layer = model.get_layer("transformer_layer_0")._self_attention_layer
+    assert tuple(layer._key_dense.kernel.shape) == (16, 2, 4)
+    assert tuple(layer._query_dense.kernel.shape) == (16, 1, 4)
+
+
+def test_keras_hub_settings_it_cannot_split_exactly_raise():
+  layout = {"data": 1, "tensor": 2}
+  with pytest.raises(ValueError, match="3 key/value heads"):
+    with _strategy(layout).scope():  # Neither 3 % 2 nor 2 % 3 is 0.
+      _hub_model("llama", num_query_heads=6, num_key_value_heads=3,
+                 hidden_dim=12)
+  with pytest.raises(ValueError, match="dropout=0.1"):
+    with _strategy(layout).scope():
+      _hub_model("llama", dropout=0.1)
+  with pytest.raises(ValueError, match="sequence_parallel=True"):
+    with _strategy(layout, sequence_parallel=True).scope():
+      _hub_model("gpt2")

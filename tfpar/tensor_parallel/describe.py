@@ -46,6 +46,10 @@ def describe(plan, model, strategy):
   groups = mesh.replicas
   multi = mesh.is_multi_worker
   stage_of = _stage_of_layer(model, strategy)
+  # spmd=True: every device of a group holds the replicated weights (and
+  # computes with them); else the group's first device (the head) does.
+  everywhere = getattr(strategy.extended, "replicated_on_every_device",
+                       False)
   rows = [("variable", "full shape", "style", "shard shape", "devices")]
   from tfpar.common import split_weights  # pylint: disable=g-import-not-at-top
   paths = list(split_weights.logical_weights_paths(model))
@@ -59,7 +63,10 @@ def describe(plan, model, strategy):
       style = layout.style if layout is not None else styles.REPLICATE
       if not isinstance(style, styles.Replicate):
         style = f"{style} (replicated)"
-      devices = ",".join(_short(g[first], multi) for g in groups)
+      devices = ",".join(
+          _short(d, multi) for g in groups
+          for d in (g[first:first + tensor_size] if everywhere else
+                    g[first:first + 1]))
       rows.append((path, str(tuple(shape)), str(style), str(tuple(shape)),
                    devices))
       continue
@@ -81,7 +88,9 @@ def describe(plan, model, strategy):
         f"replica's device s*{tensor_size}+k")
   else:
     lines.append(f"mesh: data={mesh.shape['data']} tensor={tensor_size}; "
-                 f"replica r holds shard k on the k-th device of its group")
+                 f"replica r holds shard k on the k-th device of its group"
+                 + ("; replicated weights on every device (spmd=True)"
+                    if everywhere else ""))
   lines.append(training_summary.training_line(model))
   return "\n".join(lines)
 

@@ -41,9 +41,11 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       reduce-scatters and all-gathers as collectives among the group)
       instead of the group's first device running the replicated work
       (docs/tensor_parallel_spmd.md). Models of Dense, EinsumDense,
-      MultiHeadAttention and Embedding layers on one host, any Keras
-      policy, with or without `sequence_parallel`; other settings raise
-      `ValueError`.
+      MultiHeadAttention, Embedding, ReversibleEmbedding and keras-hub
+      attention layers, any Keras policy, clipping and gradient
+      accumulation, on one host or across workers (each tensor group on
+      one worker), `sequence_parallel` for stock layers; other settings
+      raise `ValueError`.
 
   Raises:
     ValueError: the mesh has a pipeline axis, a bad plan or

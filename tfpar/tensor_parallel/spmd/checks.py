@@ -1,16 +1,18 @@
-"""What `TensorParallelStrategy(..., spmd=True)` does not run yet: each
+"""What `TensorParallelStrategy(..., spmd=True)` does not run (yet): each
 raises a `ValueError` naming the setting before any work is done."""
 
 import keras
+import tensorflow as tf
 
 from tfpar._compat import keras_layers
+from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
 
 _RULE = ("spmd=True supports models of Dense, EinsumDense, "
-         "MultiHeadAttention and Embedding layers on one host, trained "
-         "without gradient clipping, accumulation or ZeRO, and dropout only "
-         "in replicated regions")
+         "MultiHeadAttention, Embedding, ReversibleEmbedding and keras-hub "
+         "attention layers, each tensor group on one worker, without ZeRO, "
+         "and dropout only in replicated regions")
 
 
 def check_strategy(mesh):
@@ -20,13 +22,18 @@ def check_strategy(mesh):
     mesh: the `tfpar.Mesh`.
 
   Raises:
-    ValueError: a multi-worker mesh.
+    ValueError: a multi-worker mesh with a tensor group spanning workers.
   """
-  if mesh.cluster is not None:
-    raise ValueError(
-        f"TensorParallelStrategy(spmd=True) runs on one host; this mesh "
-        f"spans the TF_CONFIG cluster {mesh.cluster.cluster_spec}. "
-        f"{_RULE}. Use spmd=False across workers.")
+  if mesh.cluster is None:
+    return
+  for group in mesh.replicas:
+    tasks = sorted({tf.DeviceSpec.from_string(d).task or 0 for d in group})
+    if len(tasks) > 1:
+      raise ValueError(
+          f"TensorParallelStrategy(spmd=True) needs each tensor group on "
+          f"one worker; this mesh's group {list(group)} spans the workers "
+          f"(tasks) {tasks}. {_RULE}. Choose a tensor size that divides "
+          f"each worker's device count, or use spmd=False.")
 
 
 def check_model(model, sequence_parallel):
@@ -44,6 +51,8 @@ def check_model(model, sequence_parallel):
   for layer in keras_layers.flatten_layers(model, include_self=False):
     rate = getattr(layer, "dropout", None) if isinstance(
         layer, keras.layers.MultiHeadAttention) else (
+            _attention_dropout(layer)
+            if families.family_of(layer) is not None else
             getattr(layer, "rate", None)
             if isinstance(layer, keras.layers.Dropout) and sequence_parallel
             else None)
@@ -57,31 +66,51 @@ def check_model(model, sequence_parallel):
           f"slices; {_RULE}. Use dropout 0 there or spmd=False.")
 
 
-def check_layouts(layer_layouts):
+def _attention_dropout(layer):
+  """The dropout rate of a keras-hub attention layer (its `dropout`, or a
+  Dropout sublayer's rate: Mistral keeps it private)."""
+  rate = getattr(layer, "dropout", None)
+  if isinstance(rate, (int, float)) and rate:
+    return rate
+  for sub in keras_layers.flatten_layers(layer, include_self=False):
+    if isinstance(sub, keras.layers.Dropout) and sub.rate:
+      return sub.rate
+  return None
+
+
+def check_layouts(layer_layouts, sequence_parallel=False):
   """Refuses layouts with no SPMD computation.
 
   Args:
     layer_layouts: the resolved `LayerLayout`s of the split layers.
+    sequence_parallel: the strategy's `sequence_parallel`.
 
   Raises:
-    ValueError: keras-hub attention, a ReversibleEmbedding.
+    ValueError: with sequence parallelism, keras-hub attention or a
+      ReversibleEmbedding (they run inside blocks whose graph is not the
+      model's); an Embedding subclass other than ReversibleEmbedding; a
+      layout with no SPMD computation.
   """
   for layout in layer_layouts:
     layer = layout.layer
-    if layout.kind == layouts.HEADS:
+    reversible = isinstance(layer, keras.layers.ReversibleEmbedding)
+    if sequence_parallel and (layout.kind == layouts.HEADS or reversible):
       raise ValueError(
-          f"TensorParallelStrategy(spmd=True) cannot split layer "
-          f"{layer.name!r} ({type(layer).__name__}): keras-hub attention "
-          f"layers need per-device attributes; {_RULE}. Use spmd=False, or "
-          f"give its weights tfpar.Replicate().")
+          f"TensorParallelStrategy(spmd=True, sequence_parallel=True) "
+          f"cannot split layer {layer.name!r} ({type(layer).__name__}): "
+          f"sequence parallelism runs the model's own graph operation by "
+          f"operation, and keras-hub blocks and tied embeddings compute "
+          f"inside layers of their own; {_RULE}. Use "
+          f"sequence_parallel=False.")
     if layout.kind == layouts.EMBEDDING and (
-        type(layer) is not keras.layers.Embedding):
+        type(layer) is not keras.layers.Embedding and not reversible):
       raise ValueError(
           f"TensorParallelStrategy(spmd=True) splits keras.layers.Embedding "
-          f"tables only; layer {layer.name!r} is a {type(layer).__name__}; "
-          f"{_RULE}. Use spmd=False, or give it tfpar.Replicate().")
+          f"and ReversibleEmbedding tables only; layer {layer.name!r} is a "
+          f"{type(layer).__name__}; {_RULE}. Use spmd=False, or give it "
+          f"tfpar.Replicate().")
     if layout.kind not in (layouts.DENSE, layouts.EINSUM, layouts.ATTENTION,
-                           layouts.EMBEDDING) or not isinstance(
+                           layouts.HEADS, layouts.EMBEDDING) or not isinstance(
                                layout.style, (styles.ColumnParallel,
                                               styles.RowParallel,
                                               styles.VocabParallel)):
@@ -97,8 +126,7 @@ def check_optimizer(optimizer):
     optimizer: the model's optimizer (or None).
 
   Raises:
-    ValueError: clipping, gradient accumulation, ZeRO (also on a
-      LossScaleOptimizer's inner optimizer).
+    ValueError: ZeRO (also on a LossScaleOptimizer's inner optimizer).
   """
   if optimizer is None:
     return
@@ -110,11 +138,3 @@ def check_optimizer(optimizer):
         f"TensorParallelStrategy(spmd=True) does not compose with "
         f"tfpar.ZeRO yet. Received: ZeRO(stage="
         f"{optimizer._tfpar_zero.stage}); {_RULE}.")
-  for name in ("clipnorm", "global_clipnorm", "clipvalue",
-               "gradient_accumulation_steps"):
-    value = getattr(optimizer, name, None)
-    if value:
-      raise ValueError(
-          f"TensorParallelStrategy(spmd=True) does not support optimizer "
-          f"setting {name}={value!r} yet (each device holds only its "
-          f"shards' gradients); {_RULE}.")

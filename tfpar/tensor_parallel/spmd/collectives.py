@@ -29,9 +29,11 @@ class TensorGroups:
     groups: the local replicas' device groups (each a tensor group).
     collective_keys: the strategy's `CollectiveKeys` (its key base).
     options: the strategy's `CommunicationOptions`.
+    all_groups: the tensor groups of every worker (the mesh's replicas),
+      in the same order on every worker; default `groups`.
   """
 
-  def __init__(self, groups, collective_keys, options):
+  def __init__(self, groups, collective_keys, options, all_groups=None):
     self.groups = tuple(tuple(g) for g in groups)
     self.tensor_size = len(self.groups[0])
     self.devices = tuple(d for g in self.groups for d in g)
@@ -46,8 +48,13 @@ class TensorGroups:
     self._launchers = []
     self.group_keys = []  # TensorFlow's group key of each tensor group.
     with tf.init_scope():
+      # Across workers a group key names one group of the whole cluster:
+      # every worker draws the keys of all tensor groups, in the mesh's
+      # order, so that each group gets its own, the same on every worker.
+      keys = {tuple(g): collective_keys.get_group_key(list(g))
+              for g in (all_groups or self.groups)}
       for group in self.groups:
-        key = collective_keys.get_group_key(list(group))
+        key = keys[group]
         self.group_keys.append(key)
         for device in group:
           launcher = cross_device_utils.CollectiveReplicaLauncher(

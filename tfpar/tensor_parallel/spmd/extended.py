@@ -23,6 +23,7 @@ changes is how a replica runs:
 import tensorflow as tf
 
 from tfpar import watchdog
+from tfpar._compat import distribute
 from tfpar._compat import keras_layers
 from tfpar._compat import spmd_run
 from tfpar._compat.tf_modules import nest
@@ -34,6 +35,7 @@ from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import layers as layers_lib
+from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
 from tfpar.tensor_parallel.spmd import sequence as sequence_lib
 from tfpar.tensor_parallel.spmd import weights as weights_lib
@@ -56,7 +58,8 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
 
   Args:
     container_strategy: the public strategy.
-    mesh: the `tfpar.Mesh` (data x tensor, one host).
+    mesh: the `tfpar.Mesh` (data x tensor; each tensor group on one
+      worker).
     plan: a `tfpar.ShardingPlan`.
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
@@ -67,6 +70,8 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
 
   # Replicated weights are created whole on every device.
   spreads_weights = False
+  # ... where every trace uses them (`describe` lists them there).
+  replicated_on_every_device = True
 
   def __init__(self, container_strategy, mesh, plan,
                communication_options=None, sequence_parallel=False,
@@ -77,8 +82,9 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
                      float32_sums=float32_sums)
     self._groups = collectives.TensorGroups(
         self._local_groups, self._collective_keys,
-        self._communication_options)
-    self._memo = layers_lib.Memo(self._groups, sequence_parallel,
+        self._communication_options,
+        [tuple(group) for group in mesh.replicas])
+    self._memo = memo_lib.Memo(self._groups, sequence_parallel,
                                  float32_sums)
     self._first_replica = mesh.replicas.index(self._local_groups[0])
 
@@ -117,7 +123,7 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
       checks.check_model(model, self._sequence_parallel)
       checks.check_optimizer(optimizer)
       already = plan_lib.as_plan(self._plan).resolve(model, self.tensor_size)
-      checks.check_layouts(already)
+      checks.check_layouts(already, self._sequence_parallel)
       strategy = self._container_strategy()
       paired = layers_lib.paired_layers(model, already)
       for layout in already:
@@ -140,7 +146,8 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
 
   def _adopt(self, optimizer, model):
     checks.check_optimizer(optimizer)
-    optimizer_lib.adopt(optimizer, model, self._groups, self._memo.slices)
+    optimizer_lib.adopt(optimizer, model, self._groups,
+                        self._memo.partial_weights)
 
   # Running a replica: one trace per device.
 
@@ -205,6 +212,23 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
     return self._collapse(result)
 
   # Reductions: within each tensor column, over the data replicas.
+
+  def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+    """Without merge_call (gradient accumulation's update micro-step), a
+    trace all-reduces over the data replicas within its tensor column."""
+    slot = collectives.current_slot()
+    if slot is None or not self.merge_free_active():
+      return super()._replica_ctx_all_reduce(reduce_op, value, options)
+    flat = nest.flatten(value)
+    column = slot.tensor_index
+    ops = (self._cross_device_ops if column == 0 else
+           self.column_cross_device_ops(column))
+    options = self._communication_options.merge(
+        options or tf.distribute.experimental.CommunicationOptions())
+    reduced = distribute.all_reduce(ops, reduce_op, flat,
+                                    slot.device_index // self.tensor_size,
+                                    options)
+    return nest.pack_sequence_as(value, list(reduced))
 
   def _column_values(self, value, column):
     """The components of per-device `value` on the `column`-th device of

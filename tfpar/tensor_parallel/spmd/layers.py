@@ -13,12 +13,12 @@ stock `call`:
 * a column-parallel layer whose output does not go (through elementwise
   ops) to a row-parallel one all-gathers it; a row-parallel layer no
   column-parallel one feeds takes its slice of its replicated input;
-* vocabulary-parallel Embedding: each device looks up the rows it holds
-  (zeros elsewhere), `g` sums them.
+* vocabulary-parallel Embedding (and keras-hub's ReversibleEmbedding):
+  `embeddings.py`.
 
-`f` is applied once per replicated tensor and trace, however many split
-projections read it (query, key and value; a gated MLP's gate and up), so
-its backward all-reduce sums their input gradients once.
+`f` is applied once per replicated tensor and trace (`memo.py`), however
+many split projections read it (query, key and value; a gated MLP's gate
+and up), so its backward all-reduce sums their input gradients once.
 
 Under a half-precision policy with `communication_dtype="float32"` (the
 default) partial sums cross in float32 and are rounded once, as one
@@ -28,100 +28,18 @@ column-parallel projections a float32 copy of their input, whose gradient
 is summed in float32. With `"compute"` they cross in the compute dtype.
 """
 
+import keras
 from keras import ops
 
 from tfpar.tensor_parallel import builtin
+from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import rounding
+from tfpar.tensor_parallel import shared_heads
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 from tfpar.tensor_parallel.spmd import collectives
-from tfpar.tensor_parallel.spmd import sequence
-
-
-class Memo:
-  """`f` of each replicated tensor, once per trace, and with sequence
-  parallelism the sequence slices (cleared per step trace by the
-  strategy).
-
-  Args:
-    groups: the strategy's `collectives.TensorGroups`.
-    sequence_parallel: whether row-parallel outputs are reduce-scattered
-      along the sequence.
-    float32_sums: under a half-precision policy, add partial sums in
-      float32 (`communication_dtype="float32"`).
-  """
-
-  def __init__(self, groups, sequence_parallel=False, float32_sums=False):
-    self.groups = groups
-    self.outputs = {}
-    self.slices = sequence.Slices(groups, float32_sums) if (
-        sequence_parallel) else None
-    self.float32_sums = float32_sums
-
-  def wide(self, layer):
-    """Whether `layer` adds its partial sums in float32 (a half-precision
-    compute dtype and the strategy's `communication_dtype="float32"`)."""
-    return self.float32_sums and layer.compute_dtype in ("bfloat16",
-                                                        "float16")
-
-  def f_wide(self, x, layer):
-    """`f` of a float32 copy of half-precision `x` (once per tensor), so
-    the input gradients of the split projections are summed in float32
-    and rounded once, by the copy's cast."""
-    key = ("wide", x.ref())
-    if key not in self.outputs:
-      wide = rounding.widened(x)
-      if self.slices is not None and self.slices.is_sliced(x):
-        out = self.slices.for_split_layer(wide, layer)
-      elif self.slices is not None and x.ref() in self.slices.gathered:
-        out = wide  # Gathered for attention: its gradient is scattered.
-      elif self.slices is not None and _cast_of(x, self.slices.gathered):
-        out = x.op.inputs[0]  # Keras's cast of a float32 gather: the gather.
-      else:
-        out = collectives.f(self.groups, wide, layer)
-      self.outputs[key] = (x, out)
-    return self.outputs[key][1]
-
-  def f(self, x, layer):
-    """`x` for split projections: `collectives.f(x)`, made once per
-    tensor; a sequence slice all-gathered instead."""
-    if self.slices is not None and self.slices.is_sliced(x):
-      return self.slices.for_split_layer(x, layer)
-    if self.slices is not None and x.ref() in self.slices.gathered:
-      return x
-    key = x.ref() if hasattr(x, "ref") else id(x)
-    if key not in self.outputs:
-      self.outputs[key] = (x, collectives.f(self.groups, x, layer))
-    return self.outputs[key][1]
-
-  def g(self, y, layer):
-    """The sum of partial results `y`: reduce-scattered along the
-    sequence with sequence parallelism, else all-reduced."""
-    if self.slices is not None and collectives.current_slot() is not None:
-      scattered = self.slices.reduce_scatter(y, layer)
-      if scattered is not None:
-        return scattered
-    return collectives.g(self.groups, y, layer)
-
-  def whole(self, x, layer):
-    """`x`, a sequence slice gathered for replicated work."""
-    if self.slices is not None and self.slices.is_sliced(x):
-      return self.slices.for_replicated(x, layer)
-    return x
-
-  def clear(self):
-    self.outputs.clear()
-    if self.slices is not None:
-      self.slices.clear()
-
-
-def _cast_of(x, gathered):
-  """Whether `x` is a cast of a tensor in `gathered` (Keras casting the
-  float32 sequence gather of attention's input to the compute dtype)."""
-  op = getattr(x, "op", None)
-  return (op is not None and op.type == "Cast" and
-          op.inputs[0].ref() in gathered)
+from tfpar.tensor_parallel.spmd import embeddings
 
 
 def _whole_shape(variable):
@@ -191,25 +109,66 @@ def _row(layer, memo, paired=True):
   return call
 
 
-def _vocab(layer, memo):
-  tensor_size = memo.groups.tensor_size
-  rows = layer.input_dim // tensor_size
-
-  def call(inputs, *args, **kwargs):
-    del args, kwargs
+def _shared_head(dense, memo, sharers):
+  """A key or value projection kept whole because its heads are fewer than
+  the devices: each device computes the head its query heads use (the
+  kernel's gradient on a device is that of its query heads only: the
+  strategy sums it over the tensor group, `mark_partial`)."""
+  def call(inputs, training=None):
+    del training
     slot = collectives.current_slot()
     index = 0 if slot is None else slot.tensor_index
-    if inputs.dtype not in ("int32", "int64"):
-      inputs = ops.cast(inputs, "int32")
-    local = inputs - index * rows
-    inside = ops.logical_and(local >= 0, local < rows)
-    looked_up = ops.take(layer.embeddings, ops.where(inside, local, 0),
-                         axis=0)
-    # Partial rows cross in the compute dtype: exact, one is not zero.
-    looked_up = ops.cast(looked_up, layer.compute_dtype)
-    looked_up = looked_up * ops.cast(inside, looked_up.dtype)[..., None]
-    return memo.g(looked_up, layer.name)
+    wide = memo.wide(dense)
+    x = (memo.f_wide(inputs, dense.name) if wide else
+         memo.f(inputs, dense.name))
+    y = shared_heads.head_slice(dense, x, index // sharers, wide)
+    if dense.activation is not None:
+      y = dense.activation(y)
+    return y
   return call
+
+
+def _install_heads(layer_layout, memo):
+  """A keras-hub attention layer split by heads (`families.py`): its own
+  call on every device with the head counts set to the device's share; the
+  query / key / value projections column-parallel (or, with fewer
+  key/value heads than devices, `_shared_head`), the output row-parallel.
+  Replica threads trace one at a time, so the counts are set for the
+  call's duration."""
+  layer = layer_layout.layer
+  family = families.family_of(layer)
+  t = memo.groups.tensor_size
+  per_device = families.key_value_heads_per_device(layer, family, t)
+  _, key_value = family.head_counts(layer)
+  sharers = t // key_value if key_value < t else 1
+  local = family.local_attributes(layer, t, per_device)
+  for role, dense in family.projections(layer).items():
+    if role == "output":
+      _set_call(dense, _row(dense, memo))
+    elif role in ("key", "value") and sharers > 1:
+      _set_call(dense, _shared_head(dense, memo, sharers))
+      memo.mark_partial(dense.weights)
+    else:
+      _set_call(dense, _column(dense, memo))
+  original = type(layer).call.__get__(layer)
+
+  def call(*args, **kwargs):
+    saved = {name: getattr(layer, name) for name in local}
+    try:
+      for name, value in local.items():
+        object.__setattr__(layer, name, value)
+      result = original(*args, **kwargs)
+    finally:
+      for name, value in saved.items():
+        object.__setattr__(layer, name, value)
+    if isinstance(result, (tuple, list)):
+      raise ValueError(
+          f"Layer {layer.name!r} ({type(layer).__name__}) returned "
+          f"{len(result)} values (a key/value cache or attention scores); "
+          f"TensorParallelStrategy(spmd=True) computes the attention output "
+          f"only (training, evaluation, prediction without a cache).")
+    return result
+  _set_call(layer, call)
 
 
 def _set_call(layer, call):
@@ -244,12 +203,17 @@ def install(layer_layout, memo, paired=()):
   """
   layer = layer_layout.layer
   kind = layer_layout.kind
-  if kind == layouts.ATTENTION:
+  if kind == layouts.HEADS:
+    _install_heads(layer_layout, memo)
+  elif kind == layouts.EMBEDDING and isinstance(
+      layer, keras.layers.ReversibleEmbedding):
+    _set_call(layer, embeddings.reversible(layer, memo))
+  elif kind == layouts.ATTENTION:
     for role, dense in builtin.attention_parts(layer).items():
       _set_call(dense, _row(dense, memo) if role == "output"
                 else _column(dense, memo))
   elif kind == layouts.EMBEDDING:
-    _set_call(layer, _vocab(layer, memo))
+    _set_call(layer, embeddings.vocab(layer, memo))
   elif isinstance(layer_layout.style, styles.RowParallel):
     _set_call(layer, _row(layer, memo, layer in paired))
   else:

@@ -1,39 +1,43 @@
 """What an SPMD tensor-parallel model's optimizer does differently.
 
 * Its checkpoints hold whole slots (`weights.adopt_optimizer`).
-* With sequence parallelism, the gradients of weights applied to sequence
-  slices are summed over the tensor group first
-  (`sequence.sum_partial_gradients`).
+* The gradients of replicated weights that are partial on each device
+  (applied to sequence slices; key/value heads shared by several devices)
+  are summed over the tensor group first (`sequence.sum_partial_gradients`).
 * Under loss scaling (`mixed_float16`) every device of every group skips
   the same steps: each device holds other gradients (its shards', or its
   slices' partial sums), so an overflow on one device must stop the
   update on all of them, as it stops one device's update.
 """
 
+from keras import ops
 import numpy as np
 import tensorflow as tf
 
+from tfpar._compat import keras_layers
+from tfpar._compat import keras_optimizers
 from tfpar.common import instrument
+from tfpar.common.clipping import clip_by_norm_of
+from tfpar.common.clipping import clips
 from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import sequence
 from tfpar.tensor_parallel.spmd import weights
 
 
-def adopt(optimizer, model, groups, slices=None):
+def adopt(optimizer, model, groups, partial_weights):
   """Adapts a model's optimizer to the SPMD strategy (idempotent).
 
   Args:
     optimizer: the model's Keras optimizer (a `LossScaleOptimizer` or not).
     model: the sharded model.
     groups: the strategy's `collectives.TensorGroups`.
-    slices: the strategy's `sequence.Slices`, or None without sequence
-      parallelism.
+    partial_weights: the `Memo`'s weights with partial gradients.
   """
   weights.adopt_optimizer(optimizer, model)
   inner = getattr(optimizer, "inner_optimizer", None)
-  if slices is not None:
-    # The inner optimizer of a LossScaleOptimizer sums the gradients.
-    sequence.sum_partial_gradients(inner or optimizer, slices)
+  # The inner optimizer of a LossScaleOptimizer sums the gradients.
+  sequence.sum_partial_gradients(inner or optimizer, groups, partial_weights)
+  _clip_over_group(inner or optimizer, model, groups)
   if inner is not None:
     _overflow_over_group(optimizer, groups)
 
@@ -54,6 +58,64 @@ def _overflow_over_group(optimizer, groups):
 
   object.__setattr__(optimizer, "check_finite", check)
   object.__setattr__(optimizer, "_tfpar_spmd_overflow", True)
+
+
+def _square_sum(grad):
+  """Sum of squares as Keras's clipping takes it."""
+  return ops.sum(ops.square(grad))
+
+
+def _clip_over_group(optimizer, model, groups):
+  """Makes `optimizer` (the one that sums the gradients) clip after the
+  all-reduce, by whole-weight norms summed over the tensor group."""
+  if not clips(optimizer) or getattr(optimizer, "_tfpar_spmd_clips", False):
+    return
+  all_reduce = keras_optimizers.all_reduce_sum_gradients(optimizer)
+
+  def over_group(value, what):
+    if collectives.current_slot() is None:  # Not in a step: no group.
+      return value
+    return collectives.all_reduce(groups, value, what, instrument.BACKWARD)
+
+  def all_reduce_then_clip(grads_and_vars):
+    pairs = list(all_reduce(grads_and_vars))
+    split = {id(keras_layers.storage(w.variable))
+             for w in weights.spmd_weights(model).values()}
+    present = [(i, g, id(v) in split) for i, (g, v) in enumerate(pairs)
+               if g is not None]
+    grads = [g for g, _ in pairs]
+    if not present:
+      return pairs
+    squares = [_square_sum(g) for _, g, _ in present]
+    if optimizer.clipnorm and optimizer.clipnorm > 0:
+      shards = [k for k, (_, _, is_split) in enumerate(present) if is_split]
+      if shards:
+        summed = tf.unstack(over_group(tf.stack([squares[k] for k in shards]),
+                                       "clipnorm"))
+        for k, total in zip(shards, summed):
+          squares[k] = total
+      for (i, g, _), total in zip(present, squares):
+        grads[i] = clip_by_norm_of(g, total, optimizer.clipnorm)
+    elif optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+      replicated = [q for q, (_, _, s) in zip(squares, present) if not s]
+      split_squares = [q for q, (_, _, s) in zip(squares, present) if s]
+      total = ops.sum(ops.stack(replicated)) if replicated else 0.0
+      if split_squares:
+        total += over_group(ops.sum(ops.stack(split_squares)),
+                            "global_clipnorm")
+      norm = ops.sqrt(total)
+      clip = optimizer.global_clipnorm
+      scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+      for i, g, _ in present:  # As Keras: a sparse gradient made dense.
+        grads[i] = g * scale
+    else:
+      value = optimizer.clipvalue
+      for i, g, _ in present:
+        grads[i] = ops.clip(g, -value, value)
+    return [(g, v) for g, (_, v) in zip(grads, pairs)]
+
+  keras_optimizers.clip_after_all_reduce(optimizer, all_reduce_then_clip)
+  object.__setattr__(optimizer, "_tfpar_spmd_clips", True)
 
 
 def rebuild_for_shards(model):

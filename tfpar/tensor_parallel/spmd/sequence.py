@@ -67,7 +67,7 @@ class Slices:
       gradient's partial sums are then added in float32).
   """
 
-  def __init__(self, groups, float32_sums=False):
+  def __init__(self, groups, float32_sums=False, partial_weights=None):
     self.groups = groups
     self.float32_sums = float32_sums
     self._sliced = {}
@@ -75,7 +75,8 @@ class Slices:
     self.gathered = {}  # Outputs of `for_split_layer` (f already done).
     # Replicated weights applied to slices (LayerNorms, row biases): each
     # device's gradient covers its slice only. Kept across steps.
-    self.partial_weights = {}
+    self.partial_weights = {} if partial_weights is None else (
+        partial_weights)
     self.scatters = 0  # Reduce-scatters so far (a layer's output sliced?)
 
   def mark_weights(self, variables):
@@ -196,14 +197,18 @@ def install(model, slices):
         f"sequence_parallel=False.")
 
 
-def sum_partial_gradients(optimizer, slices):
-  """Makes `optimizer` sum the gradients of weights applied to sequence
-  slices over the tensor group first (Megatron's all-reduce of LayerNorm
-  gradients under sequence parallelism), then over the data replicas.
+def sum_partial_gradients(optimizer, groups, partial_weights):
+  """Makes `optimizer` sum the gradients of replicated weights whose
+  gradient on each device is partial over the tensor group first
+  (Megatron's all-reduce of LayerNorm gradients under sequence
+  parallelism; key/value heads shared by several devices), then over the
+  data replicas.
 
   Args:
     optimizer: the model's Keras optimizer.
-    slices: the strategy's `Slices`.
+    groups: the strategy's `collectives.TensorGroups`.
+    partial_weights: {id(storage): storage} of those weights (filled as
+      layers are split; read when the step is traced).
   """
   if getattr(optimizer, "_tfpar_spmd_partial_sums", False):
     return
@@ -213,9 +218,9 @@ def sum_partial_gradients(optimizer, slices):
     pairs = []
     for grad, variable in grads_and_vars:
       if (grad is not None and collectives.current_slot() is not None and
-          id(variable) in slices.partial_weights):
+          id(variable) in partial_weights):
         grad = collectives.all_reduce(
-            slices.groups, tf.convert_to_tensor(grad),
+            groups, tf.convert_to_tensor(grad),
             getattr(variable, "name", "weights"), instrument.BACKWARD)
       pairs.append((grad, variable))
     return original(pairs)

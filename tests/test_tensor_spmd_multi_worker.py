@@ -1,0 +1,50 @@
+"""TensorParallelStrategy(spmd=True) across 2 TF_CONFIG workers x 2
+virtual CPUs (real processes on loopback ports, stopped after a bounded
+time): tensor 2 inside each worker, data 2 across them, equal to one
+device."""
+
+import json
+import os
+
+import numpy as np
+
+import launch_common
+import tfpar
+import tp_common
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers",
+                      "tp_spmd_worker.py")
+LAUNCH_TIMEOUT = 300
+
+
+def test_two_workers_spmd_fit_equals_one_device(tmp_path):
+  launch_common.launch_ok(WORKER, tmp_path, timeout=LAUNCH_TIMEOUT)
+  results = [json.load(open(tmp_path / f"worker{i}.json")) for i in range(2)]
+  assert [r["num_replicas"] for r in results] == [2, 2]
+  assert results[1]["groups"] == [[
+      "/job:worker/replica:0/task:1/device:CPU:0",
+      "/job:worker/replica:0/task:1/device:CPU:1"]]
+
+  one_device = tp_common.trained_gpt()  # Shared with the other GPT tests.
+  reference, losses = one_device.model, one_device.losses
+  px, py = tp_common.data("gpt", count=20, seed=7)
+  weights = tfpar.logical_weights(reference)
+  for result in results:
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        result["evaluate"], reference.evaluate(px, py, batch_size=8,
+                                               verbose=0), atol=1e-5)
+    np.testing.assert_allclose(
+        result["predict"], reference.predict(px, batch_size=8, verbose=0),
+        atol=1e-5)
+    for path, value in weights.items():
+      np.testing.assert_allclose(result["weights"][path], value, atol=1e-5,
+                                 err_msg=path)
+    for ours, theirs in zip(result["get_weights"], reference.get_weights()):
+      np.testing.assert_allclose(ours, theirs, atol=1e-5)
+  assert results[0]["weights"] == results[1]["weights"]
+
+  restored = tp_common.compile_model(tp_common.gpt(seed=9))
+  restored.load_weights(str(tmp_path / "weights.weights.h5"))
+  np.testing.assert_allclose(restored.predict(px, verbose=0),
+                             reference.predict(px, verbose=0), atol=1e-5)
