@@ -39,6 +39,7 @@ LARGEST_FIRST = (
     "test_pipeline_real_models.py",
     "test_keras_hub.py",
     "test_gradient_accumulation.py",
+    "test_tensor_spmd.py",
     "test_tensor_parallel_sequence.py",
     "test_hangs.py",
     "test_keras_hub_precision.py",
@@ -46,6 +47,7 @@ LARGEST_FIRST = (
     "test_weights_created_in_place.py",
     "test_pipeline.py",
     "test_zero_buckets.py",
+    "test_tensor_spmd_multi_worker.py",
 )
 
 
