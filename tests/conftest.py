@@ -9,7 +9,6 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import suite_scope  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 
 NUM_TEST_DEVICES = 4
@@ -23,12 +22,6 @@ def _cpu_seconds():
   own = resource.getrusage(resource.RUSAGE_SELF)
   children = resource.getrusage(resource.RUSAGE_CHILDREN)
   return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def pytest_collection_modifyitems(items):
-  """The largest test files first (`suite_scope.LARGEST_FIRST`), each
-  file's tests in their own order."""
-  items.sort(key=lambda item: suite_scope.file_rank(item.path))
 
 
 @pytest.hookimpl(hookwrapper=True)
