@@ -28,6 +28,19 @@ batch and initial weights. For each tensor size it prints:
   flipped from run to run), medians, and the ratios spmd / head and
   spmd-sp / head: of the medians and the median of the per-run ratios.
 
+Last, each design's physical bound at each tensor size (`bounds.py`,
+measured after the timed runs of both tensor sizes) and the ratio median
+step time / bound. FLOPs: the matmul FLOPs of the design's own traced
+step, the census summed over all devices (SPMD repeats the replicated
+layers' matmuls, the vocabulary head's, on every device of a group; the
+one-device graph's count, `bounds.model_flops`, is printed beside them).
+Bytes, summed over the devices: the tensor-group traffic above (head and
+spmd-sp: the log; spmd: TF's ring) plus the float32 ring all-reduce of
+each device's gradients over the data axis (`gradient_bytes` of
+benchmark 3: every device all-reduces the weights it holds, so under SPMD
+also its copy of each replicated weight). R: the matmul rate of
+benchmark 3's shape (per-device rows x width x 4 width).
+
 Run from the repository root:
 
     python benchmarks/bench_tensor_spmd.py
@@ -46,6 +59,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import bench_tensor_vs_data_parallel as gpt_bench  # pylint: disable=g-import-not-at-top
+import bounds  # pylint: disable=g-import-not-at-top
 import census as census_lib  # pylint: disable=g-import-not-at-top
 import common  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
@@ -150,14 +164,70 @@ def census_of(model, strategy, args):
   return census_lib.census(graph)
 
 
+def bound_inputs(design, stats, model, tensor, tensor_bytes):
+  """(matmul FLOPs summed over all devices of the traced step, bytes moved
+  summed over all devices, {parts}) of one design's step."""
+  flops = sum(counts["matmul_flops"] for counts in stats.values())
+  gradients = gpt_bench.gradient_bytes(model, NUM_DEVICES // tensor)
+  per_device = {d: c["matmul_flops"] for d, c in stats.items() if d}
+  return flops, tensor_bytes + gradients, {
+      "design": design, "tensor": tensor, "tensor_group_bytes": tensor_bytes,
+      "gradient_allreduce_bytes": gradients,
+      "matmul_flops_per_device": per_device,
+      "busiest_device_matmul_flops": max(per_device.values())}
+
+
+def physical_bound(args, devices, dataset, rows):
+  """Prints and returns the physical bound (bounds.py) of each row
+  {name: (flops, bytes, [seconds], parts)}: FLOPs at the machine's
+  float32 matmul rate plus bytes at its copy bandwidth, and the ratio
+  median step / bound; first each row's FLOPs against the one-device
+  graph's count."""
+  x, y = next(iter(dataset))
+  one_device, _, _ = bounds.model_flops(
+      lambda s: gpt_bench.build_model(s, args), x, y)
+  print(f"\n## physical bound\n\nmatmul FLOPs of one step, summed over "
+        f"the devices, against the one-device graph's "
+        f"{one_device / 1e6:,.1f} M: " + "; ".join(
+            f"{name} {row[0] / 1e6:,.1f} M ({row[0] / one_device:.3f}x)"
+            for name, row in rows.items()))
+  machine = bounds.Machine(
+      (args.global_batch // NUM_DEVICES * args.sequence, args.width,
+       4 * args.width), devices)
+  rate, bandwidth = machine.flops_per_second(), machine.bandwidth
+  print("\n" + machine.describe() + "\n")
+  print("| tensor | design | FLOPs / step | bytes moved / step | R (GFLOP/s) | "
+        "BW (GB/s) | compute bound (ms) | copy bound (ms) | bound (ms) | "
+        "median step (ms) | step / bound |")
+  print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  out = {"one_device_matmul_flops": one_device,
+         "machine": {"shape": list(machine.shape), "cores": machine.cores,
+                     "flops_per_second": rate,
+                     "rates_one_and_all": machine.rates["float32"],
+                     "copy_bytes_per_second": bandwidth}}
+  for name, (flops, nbytes, seconds, parts) in rows.items():
+    compute, copy, bound = machine.bound(flops, nbytes)
+    median = statistics.median(seconds)
+    out[name] = dict(parts, flops=flops, bytes=nbytes, dtype="float32",
+                     flops_per_second=rate, bytes_per_second=bandwidth,
+                     compute_s=compute, copy_s=copy, bound_s=bound,
+                     median_step_s=median, ratio=median / bound)
+    print(f"| {parts['tensor']} | {parts['design']} | {flops / 1e6:,.1f} M | "
+          f"{nbytes:,} | {rate / 1e9:.1f} | {bandwidth / 1e9:.2f} | "
+          f"{compute * 1e3:.2f} | {copy * 1e3:.2f} | {bound * 1e3:.2f} | "
+          f"{median * 1e3:.2f} | {median / bound:.1f} |")
+  return out
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
   if args.ring_child:
     return ring_child(args)
-  tfpar.configure_virtual_cpus(NUM_DEVICES)
+  all_devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
   dataset = gpt_bench.token_dataset(args)
   result = {"benchmark": "tensor_spmd", "global_batch": args.global_batch}
+  bound_rows = {}
   for tensor in TENSORS:
     built = {d: build(d, tensor, args) for d in DESIGNS}
     devices = [census_lib._device(d) for g in mesh(tensor).replicas  # pylint: disable=protected-access
@@ -204,6 +274,13 @@ def main(argv=None):
       unplaced = stats[design].get(None)
       if unplaced:
         print(f"\n{design}: ops placed on no device: {dict(unplaced)}")
+    tensor_bytes = {"head": sum(sent["head"][0].values()),
+                    "spmd": sum(ring_by_device.values()),
+                    "spmd-sp": sum(sent["spmd-sp"][0].values())}
+    for design, (_, model) in built.items():
+      flops, nbytes, parts = bound_inputs(design, stats[design], model,
+                                          tensor, tensor_bytes[design])
+      bound_rows[f"tensor {tensor}, {design}"] = [flops, nbytes, None, parts]
     models = {d: m for d, (_, m) in built.items()}
     for model in models.values():  # compile + trace, untimed
       gpt_bench.timed_fit(model, dataset, args)
@@ -217,6 +294,8 @@ def main(argv=None):
     for design, t in times.items():
       print(f"| {design} | {statistics.median(t) * 1e3:.2f} | "
             f"{min(t) * 1e3:.2f} | {max(t) * 1e3:.2f} | {len(t)} |")
+    for design, t in times.items():
+      bound_rows[f"tensor {tensor}, {design}"][2] = t
     print(f"\nratio spmd / head: of the medians {ratio:.3f}, median of the "
           f"per-run ratios {paired:.3f}; spmd-sp / head: {sp_ratio:.3f}, "
           f"{sp_paired:.3f}")
@@ -228,6 +307,9 @@ def main(argv=None):
         "times": times, "ratio_of_medians": ratio,
         "median_of_ratios": paired, "sp_ratio_of_medians": sp_ratio,
         "sp_median_of_ratios": sp_paired}
+  result["physical_bound"] = physical_bound(
+      args, all_devices, dataset, {name: tuple(row) for name, row in
+                                   bound_rows.items()})
   common.write_json(args.output, result)
 
 
