@@ -51,13 +51,7 @@ def test_trains_like_one_device(references, name, layout):
   strategy, model, losses = _trained(name, layout)
   assert strategy.num_replicas_in_sync == layout["data"]
   assert len(losses) == 24
-  np.testing.assert_allclose(losses, reference_losses, atol=1e-5, rtol=0)
-  expected, actual = (tfpar.logical_weights(reference),
-                      tfpar.logical_weights(model))
-  assert sorted(actual) == sorted(expected)
-  for path in expected:
-    np.testing.assert_allclose(actual[path], expected[path], atol=1e-5,
-                               rtol=0, err_msg=path)
+  tp_common.assert_trains_like(model, losses, reference, reference_losses)
   # Keras's own list reads the same whole weights, in one device's order.
   assert [w.path for w in model.weights] == [w.path for w in
                                               reference.weights]

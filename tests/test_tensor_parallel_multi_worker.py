@@ -1,10 +1,13 @@
 """TensorParallelStrategy across 2 TF_CONFIG workers x 2 virtual CPUs:
-tensor 2 inside each worker, data 2 across them, equal to one device."""
+tensor 2 inside each worker, data 2 across them, equal to one device; in
+both designs (the group's head running replicated work, and `spmd=True`,
+every device tracing the step)."""
 
 import json
 import os
 
 import numpy as np
+import pytest
 
 import launch_common
 import tfpar
@@ -14,8 +17,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "tp_worker.py")
 LAUNCH_TIMEOUT = 300
 
 
-def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path):
-  launch_common.launch_ok(WORKER, tmp_path, timeout=LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("design", ["head", "spmd"])
+def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, design):
+  launch_common.launch_ok(WORKER, tmp_path, design, timeout=LAUNCH_TIMEOUT)
   results = [json.load(open(tmp_path / f"worker{i}.json")) for i in range(2)]
   assert [r["num_replicas"] for r in results] == [2, 2]
   assert results[1]["groups"] == [[

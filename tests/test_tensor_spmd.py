@@ -107,13 +107,7 @@ def test_trains_like_one_device(references, runs, layout, optimizer,
   strategy, model, losses, _ = runs(layout, optimizer, sequence_parallel)
   assert strategy.num_replicas_in_sync == layout["data"]
   assert len(losses) == STEPS
-  np.testing.assert_allclose(losses, reference_losses, atol=1e-5, rtol=0)
-  expected, actual = (tfpar.logical_weights(reference),
-                      tfpar.logical_weights(model))
-  assert sorted(actual) == sorted(expected)
-  for path in expected:
-    np.testing.assert_allclose(actual[path], expected[path], atol=1e-5,
-                               rtol=0, err_msg=path)
+  tp_common.assert_trains_like(model, losses, reference, reference_losses)
   assert [w.path for w in model.weights] == [w.path for w in
                                               reference.weights]
   for got, want in zip(model.get_weights(), reference.get_weights()):
@@ -359,13 +353,7 @@ def test_keras_hub_backbone_trains_like_one_device(family, layout, optimizer):
   strategy = _strategy(layout)
   model, losses = _hub_fit(family, optimizer, strategy)
   assert len(losses) == hub_common.STEPS
-  np.testing.assert_allclose(losses, reference_losses, atol=1e-5, rtol=0)
-  expected, actual = (tfpar.logical_weights(reference),
-                      tfpar.logical_weights(model))
-  assert sorted(actual) == sorted(expected)
-  for path in expected:
-    np.testing.assert_allclose(actual[path], expected[path], atol=1e-5,
-                               rtol=0, err_msg=path)
+  tp_common.assert_trains_like(model, losses, reference, reference_losses)
   # The clipping settings bind: the first step's one-device gradients are
   # larger than them.
   fresh = _hub_model(family)

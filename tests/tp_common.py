@@ -145,3 +145,16 @@ def worker_result(strategy, model, predict_count, callbacks=()):
       "weights": {k: v.tolist()
                   for k, v in tfpar.logical_weights(model).items()},
   }
+
+
+def assert_trains_like(model, losses, reference, reference_losses,
+                       atol=1e-5):
+  """Every step's loss and every logical (whole) weight of `model` equal
+  `reference`'s to `atol`."""
+  np.testing.assert_allclose(losses, reference_losses, atol=atol, rtol=0)
+  expected, actual = (tfpar.logical_weights(reference),
+                      tfpar.logical_weights(model))
+  assert sorted(actual) == sorted(expected)
+  for path in expected:
+    np.testing.assert_allclose(actual[path], expected[path], atol=atol,
+                               rtol=0, err_msg=path)

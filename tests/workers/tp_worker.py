@@ -1,13 +1,14 @@
 """Worker script for the multi-worker tensor-parallel test.
 
-Trains tp_common's GPT under TensorParallelStrategy (tensor 2 inside each
-worker, data across workers) and writes what the worker saw to
+Trains tp_common's GPT (global_clipnorm 0.5) under TensorParallelStrategy
+(tensor 2 inside each worker, data across workers; with `spmd`, every
+device tracing the step) and writes what the worker saw to
 `<out_dir>/worker<i>.json`; the chief also saves the weights. Then each
 worker reads `model.get_weights()`, the numpy values of `model.weights` and
 `count_params()`, and sets the weights of a fresh
 one-device GPT (seed 9) with `set_weights`, and records its predictions.
 
-Usage: tp_worker.py OUT_DIR
+Usage: tp_worker.py OUT_DIR [spmd]
 """
 
 import json
@@ -23,7 +24,7 @@ import tp_common
 def main():
   out_dir = sys.argv[1]
   mesh = tfpar.Mesh.from_cluster_resolver(data=-1, tensor=2)
-  strategy = tfpar.TensorParallelStrategy(mesh)
+  strategy = tfpar.TensorParallelStrategy(mesh, spmd="spmd" in sys.argv[2:])
   with strategy.scope():
     model = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
   result = tp_common.worker_result(strategy, model, predict_count=20)

@@ -38,19 +38,26 @@ def adopt(optimizer, model):
   object.__setattr__(optimizer, "_tfpar_adopted", True)
 
 
-def rebuild_for_shards(model):
+def rebuild_for_shards(model, prepare=None, entries_of=None):
   """Replaces `model.optimizer`, built for the weights before sharding, by a
   twin built for the shards that carries over its whole state.
 
   Args:
     model: a model just sharded whose optimizer is built.
+    prepare: `prepare(twin)` before it is built; default `adopt`.
+    entries_of: `entries_of(twin)`, the twin's state in the old one's
+      order, whole; default `logical_entries` over the shards.
+
+  Raises:
+    ValueError: the twin's whole state does not match the old one's.
   """
   old = model.optimizer
   state = [np.asarray(v.numpy()) for v in old.variables]
   new = type(old).from_config(old.get_config())
-  adopt(new, model)
+  (prepare or (lambda twin: adopt(twin, model)))(new)
   new.build(model.trainable_variables)
-  entries = logical_entries(new.variables, sharded_weights(model))
+  entries = (entries_of(new) if entries_of else
+             logical_entries(new.variables, sharded_weights(model)))
   if len(entries) != len(state):
     raise ValueError(
         f"Cannot carry the state of optimizer {old.name!r} over to the "

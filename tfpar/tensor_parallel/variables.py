@@ -11,7 +11,7 @@ from tfpar.common.split_weights import record_logical_weight
 from tfpar.common.split_weights import ShardedWeight
 
 
-def _owners(layer):
+def owners_of(layer):
   """{variable path: (owning layer, variable)} inside `layer`."""
   owners = {}
   for sub in keras_layers.flatten_layers(layer, include_self=True):
@@ -32,7 +32,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
   Returns:
     {variable path: ShardedWeight or the unsplit Keras variable}.
   """
-  owners = _owners(layer_layout.layer)
+  owners = owners_of(layer_layout.layer)
   logical = {}
   for variable_layout in layer_layout.variables:
     owner, variable = owners[variable_layout.path]

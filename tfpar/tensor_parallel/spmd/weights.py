@@ -20,6 +20,7 @@ from tfpar.common.split_weights import LogicalTensor
 from tfpar.common.split_weights import record_logical_weight
 from tfpar.common.split_weights import ShardedWeight
 from tfpar.engine import whole_state
+from tfpar.tensor_parallel import variables as variables_lib
 
 
 class ColumnPiece:
@@ -79,15 +80,6 @@ class SpmdWeight(ShardedWeight):
     variable._tfpar_shard_of = (self, 0)  # pylint: disable=protected-access
 
 
-def _owners(layer):
-  """{variable path: (owning layer, variable)} inside `layer`."""
-  owners = {}
-  for sub in keras_layers.flatten_layers(layer, include_self=True):
-    for variable in keras_layers.own_variables(sub):
-      owners[variable.path] = (sub, variable)
-  return owners
-
-
 def split_layer(layer_layout, tensor_size, strategy):
   """Replaces each split variable of a layer by one SPMD variable.
 
@@ -100,7 +92,7 @@ def split_layer(layer_layout, tensor_size, strategy):
   Returns:
     The `SpmdWeight`s created.
   """
-  owners = _owners(layer_layout.layer)
+  owners = variables_lib.owners_of(layer_layout.layer)
   created = []
   for variable_layout in layer_layout.variables:
     if variable_layout.axis is None:
