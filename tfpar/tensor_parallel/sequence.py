@@ -19,13 +19,17 @@ from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import tags
 
 _POSITION_WISE = (
-    keras.layers.Dropout, keras.layers.Activation, keras.layers.Add,
-    keras.layers.Subtract, keras.layers.Multiply, keras.layers.ReLU,
-    keras_ops.numpy.Add, keras_ops.numpy.Subtract, keras_ops.numpy.Multiply,
+    keras.layers.Activation, keras.layers.Add, keras.layers.Subtract,
+    keras.layers.Multiply, keras.layers.ReLU, keras_ops.numpy.Add,
+    keras_ops.numpy.Subtract, keras_ops.numpy.Multiply,
 )
 
 
-def _is_position_wise(operation):
+def is_position_wise(operation, dropout=True):
+  """Whether `operation` computes each position of the sequence alone
+  (with `dropout`, `Dropout` counts as such)."""
+  if dropout and isinstance(operation, keras.layers.Dropout):
+    return True
   if isinstance(operation, keras.layers.LayerNormalization):
     axes = operation.axis if isinstance(operation.axis, (list, tuple)) else [
         operation.axis]
@@ -66,7 +70,7 @@ def install(model, group):
     return
 
   def sliced(operation, call):
-    if not _is_position_wise(operation):
+    if not is_position_wise(operation):
       return call
     return lambda *args, **kwargs: _run_in_slices(
         operation, call, group, args, kwargs)

@@ -14,35 +14,24 @@ do the model's outputs. Per device, the regions' activations take
 1/tensor of the memory and the bytes stay those of one all-reduce.
 """
 
-import keras
 import tensorflow as tf
 
 from tfpar._compat import keras_layers
 from tfpar._compat import keras_optimizers
 from tfpar._compat import spmd_run
-from tfpar._compat.keras_modules import keras_ops
 from tfpar._compat.keras_modules import tree
 from tfpar.common import instrument
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import rounding
+from tfpar.tensor_parallel import sequence as tp_sequence
 from tfpar.tensor_parallel.spmd import collectives
 
 AXIS = 1  # [batch, sequence, ...]
 
-_POSITION_WISE = (
-    keras.layers.Activation, keras.layers.Add, keras.layers.Subtract,
-    keras.layers.Multiply, keras.layers.ReLU, keras_ops.numpy.Add,
-    keras_ops.numpy.Subtract, keras_ops.numpy.Multiply,
-)
-
-
 def is_position_wise(operation):
-  """Whether `operation` computes each position of the sequence alone."""
-  if isinstance(operation, keras.layers.LayerNormalization):
-    axes = operation.axis if isinstance(operation.axis, (list, tuple)) else [
-        operation.axis]
-    return all(a == -1 or a >= 2 for a in axes)
-  return type(operation) in _POSITION_WISE
+  """Whether `operation` computes each position of the sequence alone
+  (`Dropout` not: `checks` refuses it under sequence parallelism)."""
+  return tp_sequence.is_position_wise(operation, dropout=False)
 
 
 def splits(x, tensor_size, layer):
