@@ -72,7 +72,12 @@ class TensorParallelExtended(engine_extended.MeshExtended):
       self.shard_model(model)
     elif self.is_prepared(model) and (
         getattr(model, "optimizer", None) is not None):
-      optimizer_lib.adopt(model.optimizer, model)
+      self._adopt(model.optimizer, model)
+
+  def _adopt(self, optimizer, model):
+    """Makes `optimizer` work on `model`'s shards (its checkpoints and
+    clipping in whole weights)."""
+    optimizer_lib.adopt(optimizer, model)
 
   def laid_out_elsewhere(self, model):
     """Paths of `model`'s weights another parallelism lays out (left
@@ -122,7 +127,7 @@ class TensorParallelExtended(engine_extended.MeshExtended):
       with self._container_strategy().scope():
         optimizer_lib.rebuild_for_shards(model)
     elif optimizer is not None:
-      optimizer_lib.adopt(optimizer, model)
+      self._adopt(optimizer, model)
 
 
 def shard_layers(extended, layer_layouts, tensor_size, first_column=0,

@@ -103,13 +103,6 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
 
   # Sharding.
 
-  def prepare_model(self, model):
-    if not self.is_prepared(model) and model.built:
-      self.shard_model(model)
-    elif self.is_prepared(model) and (
-        getattr(model, "optimizer", None) is not None):
-      self._adopt(model.optimizer, model)
-
   def shard_model(self, model):
     """Splits `model`'s weights per the plan into SPMD variables and makes
     its split layers compute SPMD."""
