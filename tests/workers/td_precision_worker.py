@@ -2,7 +2,8 @@
 policies and with gradient accumulation, on 8 virtual CPUs of its own.
 
 Trains tp_common's GPT (12 steps, Adam, as tests/test_precision_matrix.py)
-(3D under mixed_float16, 3D with ZeRO-2 under mixed_bfloat16) and writes,
+(3D with ZeRO-2 under mixed_bfloat16; with TFPAR_TEST_FULL=1 also 3D under
+mixed_float16) and writes,
 per case, the largest difference from one device in the step
 losses and in the weights, next to the spread of stock MirroredStrategy on
 2 CPUs against one device under the same policy, measured in this same
@@ -28,6 +29,7 @@ import keras  # pylint: disable=g-import-not-at-top
 
 import precision_common  # pylint: disable=g-import-not-at-top
 import stock_strategies  # pylint: disable=g-import-not-at-top
+import suite_scope  # pylint: disable=g-import-not-at-top
 import tp_common  # pylint: disable=g-import-not-at-top
 
 STEPS = 12
@@ -68,7 +70,10 @@ def _difference(result, reference):
 
 def main():
   out = {}
-  for policy in ("mixed_float16", "mixed_bfloat16"):
+  # mixed_float16 (loss scaling) under 3D only with TFPAR_TEST_FULL=1: the
+  # precision matrix runs pipeline x tensor under it, and this file's
+  # mixed_bfloat16 case runs 3D itself.
+  for policy in suite_scope.cases(["mixed_bfloat16"], ["mixed_float16"]):
     reference = _timed(_train, policy, None)
     mirrored = stock_strategies.mirrored(tfpar.Mesh().devices[:2])
     out[policy] = {
