@@ -24,7 +24,16 @@ kernels' elements), and 10 steps ended 1.8-7.3x Mirrored's loss spread
 Qwen2's query/key/value biases are added with the op Keras takes for the
 whole bias (`rounding.add_bias`): one head's slice of a [heads, head_dim]
 bias would otherwise be a BiasAdd, whose bfloat16 gradient accumulates in
-bfloat16, where one device's AddV2 sums in float32."""
+bfloat16, where one device's AddV2 sums in float32.
+
+The one-step tests run both designs (`spmd=True` too), with the same
+bounds: before spmd gave each split projection its own float32 copy of
+its input, summed a shared key/value head's gradients on one device
+(after its rotary embedding) and took the untied output table's logits
+in float32 as Keras's Embedding does, its Llama gradients were 2.5x
+Mirrored's distance from one device (bfloat16, data 2 x tensor 2) and its
+first loss was not one device's; now its gradients are the head design's
+bit for bit (Qwen2 included)."""
 
 import functools
 
@@ -48,23 +57,24 @@ class GradientWriter(keras.optimizers.SGD):
     variable.assign(tf.cast(gradient, variable.dtype))
 
 
-def _strategy(layout):
+def _strategy(layout, spmd=False):
   if layout is None:
     return None
   if layout == "mirrored2":
     return stock_strategies.mirrored(tfpar.Mesh().devices[:2])
   return tfpar.TensorParallelStrategy(tfpar.Mesh(
       {"data2_tensor2": {"data": 2, "tensor": 2},
-       "tensor4": {"data": 1, "tensor": 4}}[layout]))
+       "tensor4": {"data": 1, "tensor": 4}}[layout]), spmd=spmd)
 
 
 @functools.lru_cache(maxsize=None)
-def _one_step(policy, layout=None, family="llama", seed=1):
+def _one_step(policy, layout=None, family="llama", seed=1, spmd=False):
   """(first loss, [gradient of every weight, whole, in model.weights order],
-  the step's CommunicationLog) on one device (`layout` None) or a layout."""
+  the step's CommunicationLog) on one device (`layout` None) or a layout
+  (`spmd`: TensorParallelStrategy's design)."""
   keras.mixed_precision.set_global_policy(policy)
   try:
-    strategy = _strategy(layout)
+    strategy = _strategy(layout, spmd)
     with strategy.scope() if strategy else tf.init_scope():
       model = hub_common.language_model(family, seed=seed)
       model.compile(optimizer=GradientWriter(1.0),
@@ -83,11 +93,12 @@ def _relative(a, b, scale):
   return np.linalg.norm(a - b) / max(np.linalg.norm(scale), 1e-30)
 
 
+@pytest.mark.parametrize("spmd", [False, True])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-def test_one_step_gradients_round_as_one_device(policy):
+def test_one_step_gradients_round_as_one_device(policy, spmd):
   one = _one_step(policy)
   mirrored = _one_step(policy, "mirrored2")
-  tensor = _one_step(policy, "data2_tensor2")
+  tensor = _one_step(policy, "data2_tensor2", spmd=spmd)
   assert tensor[0] == one[0]  # The forward rounds as one device's.
   for t, m, o in zip(tensor[1], mirrored[1], one[1]):
     if policy == "mixed_bfloat16":
@@ -101,10 +112,11 @@ def test_one_step_gradients_round_as_one_device(policy):
       assert _relative(t, o, o) <= _relative(m, o, o) + 5e-4
 
 
-def test_shared_key_value_heads_round_as_one_device():
+@pytest.mark.parametrize("spmd", [False, True])
+def test_shared_key_value_heads_round_as_one_device(spmd):
   # Tensor 4, one replica: its gradients are one device's (the same batch).
   one = _one_step("mixed_bfloat16")
-  tensor = _one_step("mixed_bfloat16", "tensor4")
+  tensor = _one_step("mixed_bfloat16", "tensor4", spmd=spmd)
   assert tensor[0] == one[0]
   for t, o in zip(tensor[1], one[1]):
     # Measured (seeds 1-3): at most 3.1% of a weight's elements, 6.1e-4 of
@@ -114,7 +126,8 @@ def test_shared_key_value_heads_round_as_one_device():
     assert _relative(t, o, o) <= 1.5e-3
 
 
-def test_head_biases_round_as_one_device():
+@pytest.mark.parametrize("spmd", [False, True])
+def test_head_biases_round_as_one_device(spmd):
   # Qwen2's query/key/value biases are [heads, head_dim]: one device's
   # `ops.add` is an AddV2, whose bias gradient is a Sum accumulating in
   # float32. One head's slice (tensor 4) squeezes to a vector, for which
@@ -125,7 +138,8 @@ def test_head_biases_round_as_one_device():
   # 1: last-bit flips of the layer-0 gradients, from float32 sums added in
   # another order, which the near-cancelling bias sums amplify).
   one = _one_step("mixed_bfloat16", family="qwen2", seed=2)
-  tensor = _one_step("mixed_bfloat16", "tensor4", family="qwen2", seed=2)
+  tensor = _one_step("mixed_bfloat16", "tensor4", family="qwen2", seed=2,
+                     spmd=spmd)
   assert tensor[0] == one[0]
   for t, o in zip(tensor[1], one[1]):
     assert np.mean(t != o) <= 0.1

@@ -249,3 +249,29 @@ def all_gather(groups, x, axis, layer):
     return _gather_along(groups, value, axis, layer,
                          instrument.FORWARD), grad
   return _all_gather(x)
+
+
+def summed_by_first_sharer(groups, y, sharers, layer):
+  """A key or value head that `sharers` consecutive devices of the group
+  each compute (fewer key/value heads than devices): `y` forward;
+  backward, the first of them takes the sum of their gradients, in float32
+  rounded once, and the others zero, as one device adds a repeated head's
+  gradients before taking its one kernel gradient."""
+  if current_slot() is None:
+    _outside_replica(layer)
+    return y
+
+  @tf.custom_gradient
+  def _summed(value):
+    def grad(dy):
+      index = current_slot().tensor_index
+      everyone = _gather_along(groups, dy[None], 0, layer,
+                               instrument.BACKWARD)
+      first = index // sharers * sharers
+      if index != first:
+        return tf.zeros_like(dy)
+      total = tf.reduce_sum(
+          tf.cast(everyone[first:first + sharers], tf.float32), axis=0)
+      return tf.cast(total, dy.dtype)
+    return tf.identity(value), grad
+  return _summed(y)

@@ -52,9 +52,12 @@ def reversible(layer, memo):
     kernel = (ops.transpose(layer.embeddings) if layer.tie_weights else
               layer.reverse_embeddings)
     if layer.reverse_dtype is None and memo.wide(layer):
-      logits = ops.cast(rounding.widened_product(
-          memo.f_wide(inputs, layer.name),
-          ops.cast(kernel, layer.compute_dtype)), layer.compute_dtype)
+      x = memo.f_wide(inputs, layer.name)
+      if kernel.dtype == layer.compute_dtype:
+        logits = ops.cast(rounding.widened_product(x, kernel),
+                          layer.compute_dtype)
+      else:  # Keras's Embedding does not autocast: a float32 product.
+        logits = ops.matmul(x, ops.cast(kernel, x.dtype))
     else:
       x = memo.f(inputs, layer.name)
       if layer.reverse_dtype is not None:

@@ -109,11 +109,15 @@ def _row(layer, memo, paired=True):
   return call
 
 
-def _shared_head(dense, memo, sharers):
+def _shared_head(dense, memo, sharers, rotated=None):
   """A key or value projection kept whole because its heads are fewer than
-  the devices: each device computes the head its query heads use (the
-  kernel's gradient on a device is that of its query heads only: the
-  strategy sums it over the tensor group, `mark_partial`)."""
+  the devices: each device computes the head its query heads use; the
+  first device computing a head takes its kernel gradient from all their
+  query heads' gradients (`summed_by_first_sharer`), and the strategy
+  sums the kernel gradients, each head's columns from one device, over
+  the tensor group (`mark_partial`). A key that the layer's rotary
+  embedding rotates is summed after the rotation, as one device repeats
+  the rotated key (`rotated` records it for `_sum_rotated_key`)."""
   def call(inputs, training=None):
     del training
     slot = collectives.current_slot()
@@ -124,8 +128,26 @@ def _shared_head(dense, memo, sharers):
     y = shared_heads.head_slice(dense, x, index // sharers, wide)
     if dense.activation is not None:
       y = dense.activation(y)
-    return y
+    if rotated is not None:
+      rotated["key"] = y
+      return y
+    return collectives.summed_by_first_sharer(memo.groups, y, sharers,
+                                              dense.name)
   return call
+
+
+def _sum_rotated_key(rotary, memo, sharers, rotated, name):
+  """Wraps the rotary embedding layer's call: the key it rotates (the one
+  `_shared_head` recorded in `rotated`) comes out `summed_by_first_sharer`."""
+  original = rotary.call
+
+  def call(inputs, *args, **kwargs):
+    y = original(inputs, *args, **kwargs)
+    if rotated.get("key") is inputs:
+      del rotated["key"]
+      y = collectives.summed_by_first_sharer(memo.groups, y, sharers, name)
+    return y
+  _set_call(rotary, call)
 
 
 def _install_heads(layer_layout, memo):
@@ -142,11 +164,16 @@ def _install_heads(layer_layout, memo):
   _, key_value = family.head_counts(layer)
   sharers = t // key_value if key_value < t else 1
   local = family.local_attributes(layer, t, per_device)
+  rotary = shared_heads.rotary_of(layer) if sharers > 1 else None
+  rotated = {} if rotary is not None else None
+  if rotary is not None:
+    _sum_rotated_key(rotary, memo, sharers, rotated, layer.name)
   for role, dense in family.projections(layer).items():
     if role == "output":
       _set_call(dense, _row(dense, memo))
     elif role in ("key", "value") and sharers > 1:
-      _set_call(dense, _shared_head(dense, memo, sharers))
+      _set_call(dense, _shared_head(dense, memo, sharers,
+                                    rotated if role == "key" else None))
       memo.mark_partial(dense.weights)
     else:
       _set_call(dense, _column(dense, memo))
@@ -161,6 +188,12 @@ def _install_heads(layer_layout, memo):
     finally:
       for name, value in saved.items():
         object.__setattr__(layer, name, value)
+    if rotated:
+      raise ValueError(
+          f"Layer {layer.name!r} ({type(layer).__name__}) did not rotate its "
+          f"key projection's output with its rotary embedding layer, which "
+          f"TensorParallelStrategy(spmd=True) relies on to sum a key head "
+          f"shared by {sharers} devices as one device does.")
     if isinstance(result, (tuple, list)):
       raise ValueError(
           f"Layer {layer.name!r} ({type(layer).__name__}) returned "

@@ -49,10 +49,16 @@ class Memo:
                                                         "float16")
 
   def f_wide(self, x, layer):
-    """`f` of a float32 copy of half-precision `x` (once per tensor), so
-    the input gradients of the split projections are summed in float32
-    and rounded once, by the copy's cast."""
-    key = ("wide", x.ref())
+    """`f` of a float32 copy of half-precision `x`, one copy per split
+    projection `layer` reading it: each projection's input gradient is
+    summed over the group in float32 and rounded alone, by its copy's
+    cast, as one device rounds each projection's input gradient before
+    adding them (one all-reduce per projection, as the head design's
+    reductions). A sequence slice is gathered once for all of them."""
+    sliced = self.slices is not None and (
+        self.slices.is_sliced(x) or x.ref() in self.slices.gathered or
+        _cast_of(x, self.slices.gathered))
+    key = ("wide", x.ref(), None if sliced else layer)
     if key not in self.outputs:
       wide = rounding.widened(x)
       if self.slices is not None and self.slices.is_sliced(x):
