@@ -26,6 +26,10 @@ COMPUTES_CAUSAL_MASK = "use_causal_mask" in inspect.signature(
 PROJECTIONS = dict(query="_query_dense", key="_key_dense",
                    value="_value_dense", output="_output_dense")
 QUERY_HEADS = "_num_heads"
+# Its attention-score Dropout and the axes attention runs over (the scores
+# are [batch..., heads, target..., source...]), built with the layer.
+DROPOUT = "_dropout_layer"
+ATTENTION_AXES = "_attention_axes"
 
 
 def projections(layer):

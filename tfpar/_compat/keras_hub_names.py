@@ -16,6 +16,15 @@ MISTRAL_HEADS = dict(query_heads="_num_query_heads",
                      key_value_heads="_num_key_value_heads",
                      groups="_num_key_value_groups")
 
+# The attention Dropout of keras-hub's attention layers, by class name
+# (Gemma's is public); tensor_parallel/spmd/dropout.py draws it.
+ATTENTION_DROPOUT = {
+    "LlamaAttention": "_dropout_layer",
+    "QwenAttention": "_dropout_layer",
+    "CachedMistralAttention": "_dropout_layer",
+    "CachedGemmaAttention": "dropout_layer",
+}
+
 # The expert weights ([num_experts, ...]) of an MoE block's expert bank.
 MIXTRAL_EXPERT_WEIGHTS = ("_expert_feedforward_gate_dense",
                           "_expert_feedforward_intermediate_dense",

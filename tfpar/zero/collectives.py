@@ -68,8 +68,14 @@ _zero_ops = weakref.WeakKeyDictionary()  # extended -> {column: ops}
 def launcher(context, column=None):
   """The launcher of ZeRO's group for `context`'s replica (`column`: as
   for `all_gather`)."""
+  extended = context.strategy.extended
+  index = distribute.local_replica_index(context)
+  trace = getattr(extended, "zero_trace", None)  # SPMD: one per device.
+  position = trace() if trace else None
+  if position is not None:  # Its column's group, whatever the weight.
+    column, index = position
   column = column or None  # 0 and None: the replica heads.
-  per_column = _zero_ops.setdefault(context.strategy.extended, {})
+  per_column = _zero_ops.setdefault(extended, {})
   if column not in per_column:
     ops = _strategy_ops(context.strategy, column)
     keys = cross_device_utils.CollectiveKeys(
@@ -79,8 +85,7 @@ def launcher(context, column=None):
       for member in distribute.launchers(group):
         distribute.fix_instance_keys_at_trace_time(member)
     per_column[column] = group
-  return distribute.launchers(per_column[column])[
-      distribute.local_replica_index(context)]
+  return distribute.launchers(per_column[column])[index]
 
 
 _launcher = launcher

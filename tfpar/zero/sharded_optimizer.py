@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import keras_optimizers
-from tfpar.common.clipping import clip_by_norm_of
 from tfpar.common.clipping import clips
+from tfpar.zero import clipping
 from tfpar.zero import collectives
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients
@@ -63,6 +63,7 @@ class ZeroState:
   bucket_bytes: int = collectives.DEFAULT_BUCKET_BYTES
   entries: dict = dataclasses.field(default_factory=dict)  # id(weight)
   slot_references: dict = dataclasses.field(default_factory=dict)  # id(slot)
+  unsliced_references: dict = dataclasses.field(default_factory=dict)
 
   @property
   def replicas(self):
@@ -101,11 +102,25 @@ class ZeroState:
         weight, piece, piece.shape[0], self.state_devices(weight),
         self.column(weight))
 
+  @property
+  def columns(self):
+    """Components of a variable per replica: 1, or the tensor size under
+    SPMD tensor parallelism (every device of a replica holds one)."""
+    return getattr(self.strategy.extended, "zero_traces_per_replica", 1)
+
+  def component_replicas(self):
+    """The replica owning each of a variable's local components."""
+    return [r for r in self.replica_ids for _ in range(self.columns)]
+
   def weight_slices(self, weight):
-    """This host's replicas' slices of a weight's current value."""
+    """Each local component's slice (its replica's) of a weight's value."""
     size = slices.slice_size(weight.shape, self.replicas)
-    return [slices.flat_slice(weight.value, r, size, self.replicas)
-            for r in self.replica_ids]
+    owners = self.component_replicas()
+    parts = slices.components(weight)
+    if len(parts) != len(owners):  # Not one per replica: the value.
+      parts = [weight.value] * len(owners)
+    return [slices.flat_slice(p, r, size, self.replicas)
+            for p, r in zip(parts, owners)]
 
 
 def check_shardable(optimizer, strategy):
@@ -150,12 +165,14 @@ def shard(optimizer, state):
   def add_variable_from_reference(reference_variable, name=None,
                                   initializer="zeros"):
     if name in unsharded:
-      return original_from_reference(reference_variable, name, initializer)
+      whole = original_from_reference(reference_variable, name, initializer)
+      state.unsliced_references[id(whole)] = reference_variable
+      return whole
     size = slices.slice_size(reference_variable.shape, state.replicas)
     value = keras.initializers.get(initializer)((size,),
                                                 reference_variable.dtype)
     slot = state.new_slice(reference_variable, name or "var",
-                           [value] * len(state.replica_ids))
+                           [value] * len(state.component_replicas()))
     keras_optimizers.track_variable(optimizer, slot)
     state.slot_references[id(slot)] = reference_variable
     return slot
@@ -192,12 +209,17 @@ def shard(optimizer, state):
 
 def _apply_sharded(optimizer, state, grads, variables):
   entries = [state.entries[id(v)] for v in variables]
+  partial = getattr(state.strategy.extended, "zero_partial_gradients", None)
+  if partial is not None:  # SPMD: partial ones summed over the group.
+    grads = partial(grads, variables)
   if state.stage == 3:  # The tape's gradients are reduced slices.
     reduce = lambda gs: [tf.convert_to_tensor(g) if clips(optimizer) else g
                          for g in gs]
   else:
     reduce = lambda gs: _reduce_scattered(state, gs, entries)
   steps = optimizer.gradient_accumulation_steps
+  clipping.note_sparse(grads if state.stage != 3 and not steps else (),
+                       variables)
   if not steps:
     if state.stage != 3 and not clips(optimizer):
       # Sparse gradients as MirroredStrategy applies them.
@@ -256,7 +278,7 @@ def _update(optimizer, state, entries, grad_slices):
   all-gather the slices into the weights."""
   context = tf.distribute.get_replica_context()
   replica = context.replica_id_in_sync_group
-  grad_slices = _clip(optimizer, entries, grad_slices)
+  grad_slices = clipping.clip(optimizer, state, entries, grad_slices)
   learning_rate = optimizer.learning_rate
   for entry, grad in zip(entries, grad_slices):
     weight, piece = entry.weight, entry.slice
@@ -280,35 +302,6 @@ def _update(optimizer, state, entries, grad_slices):
     weight = entry.weight
     slices.local_component(weight).assign(tf.reshape(
         whole[:weight.shape.num_elements()], weight.shape))
-
-
-def _clip(optimizer, entries, grad_slices):
-  """Keras's clipping, with norms summed over every replica's slices (and
-  over the shards of a tensor-parallel weight)."""
-  phase = collectives.OPTIMIZER
-  if optimizer.clipnorm and optimizer.clipnorm > 0:
-    squares = collectives.all_reduce_sum(
-        tf.stack([tf.reduce_sum(tf.square(g)) for g in grad_slices]), phase,
-        "clipnorm")
-    logical = [id(getattr(e.weight, "_tfpar_shard_of", (e.weight,))[0])
-               for e in entries]
-    totals = {}
-    for index, key in enumerate(logical):
-      totals[key] = totals.get(key, 0.0) + squares[index]
-    return [clip_by_norm_of(grad, totals[key], optimizer.clipnorm)
-            for key, grad in zip(logical, grad_slices)]
-  if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
-    square = collectives.all_reduce_sum(
-        tf.add_n([tf.reduce_sum(tf.square(g)) for g in grad_slices])[None],
-        phase, "global_clipnorm")[0]
-    norm = tf.sqrt(square)
-    clip = optimizer.global_clipnorm
-    scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
-    return [g * scale for g in grad_slices]
-  if optimizer.clipvalue and optimizer.clipvalue > 0:
-    value = optimizer.clipvalue
-    return [tf.clip_by_value(g, -value, value) for g in grad_slices]
-  return grad_slices
 
 
 def logical_entries(optimizer):

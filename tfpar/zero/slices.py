@@ -84,24 +84,26 @@ def local_component(variable):
   return distribute.local_component(variable.value)
 
 
-def whole(slice_variable, shape):
-  """The full-shape NumPy value of a sliced variable.
+def whole(slice_variable, shape, parts=None):
+  """The full-shape NumPy value of a sliced variable (of `parts`, its
+  components holding the slices, when not all of them: one column's).
 
   In a multi-worker job whose slices are spread over the workers, this
   gathers them from every worker: a collective (see `spread_slices`).
   """
-  if spread_slices.is_spread(slice_variable):
+  if parts is None and spread_slices.is_spread(slice_variable):
     flat = spread_slices.whole_flat(slice_variable)
   else:
-    flat = np.concatenate([np.asarray(c.read_value())
-                           for c in components(slice_variable)])
+    flat = np.concatenate([np.asarray(c.read_value()) for c in (
+        components(slice_variable) if parts is None else parts)])
   return flat[:int(np.prod(shape))].reshape(shape)
 
 
-def assign_whole(slice_variable, value, replicas, replica_ids):
-  """Splits a full-shape value into the slices of this host's replicas."""
+def assign_whole(slice_variable, value, replicas, replica_ids, parts=None):
+  """Splits a full-shape value into the slices of this host's replicas
+  (into `parts`, as for `whole`)."""
   value = np.asarray(value)
-  parts = components(slice_variable)
+  parts = components(slice_variable) if parts is None else parts
   size = parts[0].shape[0]
   if value.size > size * replicas:
     raise ValueError(

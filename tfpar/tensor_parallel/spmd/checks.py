@@ -8,11 +8,13 @@ from tfpar._compat import keras_layers
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
+from tfpar.tensor_parallel.spmd import dropout as dropout_lib
+from tfpar.tensor_parallel.spmd import sequence
 
 _RULE = ("spmd=True supports models of Dense, EinsumDense, "
          "MultiHeadAttention, Embedding, ReversibleEmbedding and keras-hub "
-         "attention layers, each tensor group on one worker, without ZeRO, "
-         "and dropout only in replicated regions")
+         "attention layers, each tensor group on one worker, ZeRO stages "
+         "1-2 on one host")
 
 
 def check_strategy(mesh):
@@ -44,38 +46,36 @@ def check_model(model, sequence_parallel):
     sequence_parallel: the strategy's `sequence_parallel`.
 
   Raises:
-    ValueError: dropout in split attention, or
-      with sequence parallelism anywhere (every device of a group draws
-      the same mask: its heads' or slices' masks would repeat).
+    ValueError: an attention layer with a dropout sublayer tfpar does not
+      know (it would act on split heads with a repeating mask); a
+      `Dropout` whose `noise_shape` fixes a size on the sequence axis
+      under sequence parallelism, which devices split: only None or 1
+      name a mask one device would draw.
   """
+  split_axes = {sequence.AXIS: "sequence"} if sequence_parallel else {}
   for layer in keras_layers.flatten_layers(model, include_self=False):
-    rate = getattr(layer, "dropout", None) if isinstance(
-        layer, keras.layers.MultiHeadAttention) else (
-            _attention_dropout(layer)
-            if families.family_of(layer) is not None else
-            getattr(layer, "rate", None)
-            if isinstance(layer, keras.layers.Dropout) and sequence_parallel
-            else None)
-    if rate:
-      raise ValueError(
-          f"TensorParallelStrategy(spmd=True"
-          f"{', sequence_parallel=True' if sequence_parallel else ''}) "
-          f"cannot apply layer {layer.name!r}'s dropout={rate!r} on split "
-          f"activations: every device of a tensor group draws the same "
-          f"mask, so its masks would repeat across heads or sequence "
-          f"slices; {_RULE}. Use dropout 0 there or spmd=False.")
-
-
-def _attention_dropout(layer):
-  """The dropout rate of a keras-hub attention layer (its `dropout`, or a
-  Dropout sublayer's rate: Mistral keeps it private)."""
-  rate = getattr(layer, "dropout", None)
-  if isinstance(rate, (int, float)) and rate:
-    return rate
-  for sub in keras_layers.flatten_layers(layer, include_self=False):
-    if isinstance(sub, keras.layers.Dropout) and sub.rate:
-      return sub.rate
-  return None
+    if layer.built and (isinstance(layer, keras.layers.MultiHeadAttention) or
+                        families.family_of(layer) is not None):
+      unknown = dropout_lib.unknown_attention_dropout(layer)
+      if unknown is not None:
+        raise ValueError(
+            f"TensorParallelStrategy(spmd=True) cannot split layer "
+            f"{layer.name!r} ({type(layer).__name__}) by heads with its "
+            f"dropout sublayer {unknown.name!r} (rate={unknown.rate!r}): "
+            f"tfpar draws one device's mask only for the attention dropout "
+            f"it knows (spmd/dropout.py); {_RULE}. Use rate 0 there or "
+            f"spmd=False.")
+    noise = getattr(layer, "noise_shape", None)
+    if type(layer) is keras.layers.Dropout and layer.rate and noise:
+      for axis, what in split_axes.items():
+        if axis < len(noise) and noise[axis] not in (None, 1):
+          raise ValueError(
+              f"TensorParallelStrategy(spmd=True) splits axis {axis} (the "
+              f"{what}) of layer {layer.name!r}'s input over devices; its "
+              f"noise_shape={tuple(noise)!r} fixes that axis to "
+              f"{noise[axis]}, but only None (the whole axis) or 1 "
+              f"(broadcast) name a mask one device would draw; {_RULE}. "
+              f"Use None or 1 there.")
 
 
 def check_layouts(layer_layouts, sequence_parallel=False):
@@ -119,22 +119,53 @@ def check_layouts(layer_layouts, sequence_parallel=False):
           f"{layer.name!r} as {layout.kind} {layout.style}; {_RULE}.")
 
 
-def check_optimizer(optimizer):
+def check_optimizer(optimizer, mesh=None):
   """Refuses optimizer settings the SPMD step does not reproduce.
 
   Args:
     optimizer: the model's optimizer (or None).
+    mesh: the strategy's `tfpar.Mesh` (None: the one ZeRO's strategy has).
 
   Raises:
-    ValueError: ZeRO (also on a LossScaleOptimizer's inner optimizer).
+    ValueError: ZeRO settings `check_zero` refuses (also on a
+      LossScaleOptimizer's inner optimizer).
   """
   if optimizer is None:
     return
   inner = getattr(optimizer, "inner_optimizer", None)
   if inner is not None:  # Loss scaling (mixed_float16): its optimizer.
-    check_optimizer(inner)
-  if getattr(optimizer, "_tfpar_zero", None) is not None:
+    check_optimizer(inner, mesh)
+  state = getattr(optimizer, "_tfpar_zero", None)
+  if state is not None:
+    check_zero(state.stage, state.offload,
+               mesh or state.strategy.extended.mesh)
+
+
+def check_zero(stage, offload, mesh):
+  """Refuses `tfpar.ZeRO` settings not built under SPMD.
+
+  Args:
+    stage: ZeRO's stage.
+    offload: ZeRO's offload.
+    mesh: the strategy's `tfpar.Mesh`.
+
+  Raises:
+    ValueError: stage 3 (its weight slices are gathered inside the layers'
+      calls, which SPMD replaces per device), CPU offload (not built), or
+      a multi-worker mesh (ZeRO's whole-state saving gathers one column).
+  """
+  rule = ("TensorParallelStrategy(spmd=True) runs tfpar.ZeRO stages 1 and "
+          "2 without offload, on one host")
+  if stage == 3:
     raise ValueError(
-        f"TensorParallelStrategy(spmd=True) does not compose with "
-        f"tfpar.ZeRO yet. Received: ZeRO(stage="
-        f"{optimizer._tfpar_zero.stage}); {_RULE}.")
+        f"{rule}. Received: ZeRO(stage=3): stage 3 gathers weight slices "
+        f"inside the layers' calls, and SPMD's split layers read their "
+        f"device's shard there; use stage 1 or 2, or spmd=False.")
+  if offload is not None:
+    raise ValueError(
+        f"{rule}. Received: ZeRO(offload={offload!r}); use offload=None, "
+        f"or spmd=False.")
+  if mesh.is_multi_worker:
+    raise ValueError(
+        f"{rule}. Received: a mesh over {mesh.cluster.num_workers} "
+        f"workers with ZeRO(stage={stage}); use spmd=False there.")

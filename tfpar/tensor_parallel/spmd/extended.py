@@ -34,11 +34,13 @@ from tfpar.tensor_parallel import extended as tp_extended
 from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import collectives
+from tfpar.tensor_parallel.spmd import dropout as dropout_lib
 from tfpar.tensor_parallel.spmd import layers as layers_lib
 from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
 from tfpar.tensor_parallel.spmd import sequence as sequence_lib
 from tfpar.tensor_parallel.spmd import weights as weights_lib
+from tfpar.tensor_parallel.spmd import zero_hooks
 
 
 def _is_values(value):
@@ -53,6 +55,7 @@ def _components(value):
 
 
 class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
+                                 zero_hooks.ZeroHooks,
                                  tp_extended.TensorParallelExtended):
   """The logic of `tfpar.TensorParallelStrategy(..., spmd=True)`.
 
@@ -125,6 +128,7 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
         object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     if self._sequence_parallel:
       sequence_lib.install(model, self._memo.slices)
+    dropout_lib.install(model, already, self._memo)
     object.__setattr__(model, "_tfpar_layouts", already)
     whole_weights.install(model)
     if optimizer is not None and optimizer.built and not getattr(

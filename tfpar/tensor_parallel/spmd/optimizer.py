@@ -1,6 +1,7 @@
 """What an SPMD tensor-parallel model's optimizer does differently.
 
-* Its checkpoints hold whole slots (`weights.adopt_optimizer`).
+* Its checkpoints hold whole slots (`weights.adopt_optimizer`; under
+  `tfpar.ZeRO`, ZeRO's own, column by column: `zero_hooks.py`).
 * The gradients of replicated weights that are partial on each device
   (applied to sequence slices; key/value heads shared by several devices)
   are summed over the tensor group first (`sequence.sum_partial_gradients`).
@@ -33,7 +34,8 @@ def adopt(optimizer, model, groups, partial_weights):
     groups: the strategy's `collectives.TensorGroups`.
     partial_weights: the `Memo`'s weights with partial gradients.
   """
-  weights.adopt_optimizer(optimizer, model)
+  if getattr(optimizer, "_tfpar_zero", None) is None:
+    weights.adopt_optimizer(optimizer, model)  # ZeRO saves whole slots.
   inner = getattr(optimizer, "inner_optimizer", None)
   # The inner optimizer of a LossScaleOptimizer sums the gradients.
   sequence.sum_partial_gradients(inner or optimizer, groups, partial_weights)

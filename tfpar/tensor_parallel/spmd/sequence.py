@@ -14,6 +14,7 @@ do the model's outputs. Per device, the regions' activations take
 1/tensor of the memory and the bytes stay those of one all-reduce.
 """
 
+import keras
 import tensorflow as tf
 
 from tfpar._compat import keras_layers
@@ -29,9 +30,11 @@ from tfpar.tensor_parallel.spmd import collectives
 AXIS = 1  # [batch, sequence, ...]
 
 def is_position_wise(operation):
-  """Whether `operation` computes each position of the sequence alone
-  (`Dropout` not: `checks` refuses it under sequence parallelism)."""
-  return tp_sequence.is_position_wise(operation, dropout=False)
+  """Whether `operation` computes each position of the sequence alone (a
+  plain `Dropout` too: it draws one device's mask and keeps its slice,
+  `dropout.py`; its subclasses get the whole sequence)."""
+  return type(operation) is keras.layers.Dropout or (
+      tp_sequence.is_position_wise(operation, dropout=False))
 
 
 def splits(x, tensor_size, layer):

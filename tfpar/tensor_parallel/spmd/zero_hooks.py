@@ -1,0 +1,81 @@
+"""What `tfpar.ZeRO` asks of the SPMD strategy: hooks on its extended,
+looked up by name (as `column_of` serves ZeRO under the head design), so
+neither parallelism imports the other.
+
+Under SPMD every variable has a component on each `data x tensor` device
+(replica-major) and every device traces the step. ZeRO slices each
+component over the data replicas within its tensor column (Megatron +
+DeepSpeed: ZeRO over the data-parallel group of each tensor rank): the
+trace on the k-th device of replica r keeps slice r of its component and
+runs ZeRO's collectives among the k-th devices of every replica.
+"""
+
+import tensorflow as tf
+
+from tfpar._compat import keras_layers
+from tfpar.common import instrument
+from tfpar.tensor_parallel.spmd import checks
+from tfpar.tensor_parallel.spmd import collectives
+
+
+class ZeroHooks:
+  """Mixin of `SpmdTensorParallelExtended` (needs `tensor_size`, `_groups`
+  and `_memo`)."""
+
+  def zero_check(self, stage, offload):
+    """Raises a ValueError for ZeRO settings not built under SPMD
+    (`checks.check_zero`), before ZeRO changes anything.
+
+    Args:
+      stage: ZeRO's stage.
+      offload: ZeRO's offload.
+    """
+    checks.check_zero(stage, offload, self.mesh)
+
+  @property
+  def zero_traces_per_replica(self):
+    """Components of every variable per data replica (one per device)."""
+    return self.tensor_size
+
+  def zero_trace(self):
+    """(tensor column, index among this worker's data replicas) of the
+    trace running now, or None outside a replica."""
+    slot = collectives.current_slot()
+    if slot is None:
+      return None
+    return slot.tensor_index, slot.device_index // self.tensor_size
+
+  def zero_partial_gradients(self, grads, variables):
+    """`grads` with those of replicated weights that are partial on each
+    device (applied to sequence slices; shared key/value heads) summed
+    over the tensor group, before ZeRO reduces them over the data replicas.
+
+    Args:
+      grads: this trace's gradients (None for a weight without one).
+      variables: their Keras variables.
+    """
+    partial = self._memo.partial_weights
+    if collectives.current_slot() is None or not partial:
+      return grads
+    return [
+        collectives.all_reduce(self._groups, tf.convert_to_tensor(g),
+                               v.name, instrument.BACKWARD)
+        if g is not None and id(keras_layers.storage(v)) in partial else g
+        for g, v in zip(grads, variables)]
+
+  def zero_sum_over_shards(self, squares, variables):
+    """Per-weight sums of squared gradients (each whole over the data
+    replicas already) with those of split weights summed over the tensor
+    group: the squared norms of the whole weights (clipping).
+
+    Args:
+      squares: a vector, one sum per variable.
+      variables: the Keras variables (a split one has `_tfpar_shard_of`).
+    """
+    split = [i for i, v in enumerate(variables)
+             if getattr(v, "_tfpar_shard_of", None) is not None]
+    if not split or collectives.current_slot() is None:
+      return squares
+    summed = collectives.all_reduce(self._groups, tf.gather(squares, split),
+                                    "zero clipping", instrument.BACKWARD)
+    return tf.tensor_scatter_nd_update(squares, [[i] for i in split], summed)
