@@ -1,7 +1,10 @@
 """TensorParallelStrategy across 2 TF_CONFIG workers x 2 virtual CPUs:
 tensor 2 inside each worker, data 2 across them, equal to one device; in
 both designs (the group's head running replicated work, and `spmd=True`,
-every device tracing the step)."""
+every device tracing the step, here under `tfpar.ZeRO(stage=2)`: each
+tensor column's optimizer state sliced across the workers, gathered to
+save it whole; `TFPAR_TEST_FULL=1` adds stage 3, whose weights are sliced
+across the workers too)."""
 
 import json
 import os
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 
 import launch_common
+import suite_scope
 import tfpar
 import tp_common
 
@@ -17,9 +21,16 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "tp_worker.py")
 LAUNCH_TIMEOUT = 300
 
 
-@pytest.mark.parametrize("design", ["head", "spmd"])
+# design -> the worker's arguments.
+DESIGNS = {"head": ["head"], "spmd": ["spmd", "zero2"],
+           "spmd-zero3": ["spmd", "zero3"]}
+
+
+@pytest.mark.parametrize("design", suite_scope.cases(
+    ["head", "spmd"], ["spmd-zero3"]))
 def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, design):
-  launch_common.launch_ok(WORKER, tmp_path, design, timeout=LAUNCH_TIMEOUT)
+  launch_common.launch_ok(WORKER, tmp_path, *DESIGNS[design],
+                          timeout=LAUNCH_TIMEOUT)
   results = [json.load(open(tmp_path / f"worker{i}.json")) for i in range(2)]
   assert [r["num_replicas"] for r in results] == [2, 2]
   assert results[1]["groups"] == [[
@@ -58,6 +69,15 @@ def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, design):
                                fresh.predict(px, verbose=0), atol=1e-5)
 
   restored = tp_common.compile_model(tp_common.gpt(seed=9))
+  restored.optimizer.build(restored.trainable_variables)
   restored.load_weights(str(tmp_path / "weights.weights.h5"))
   np.testing.assert_allclose(restored.predict(px, verbose=0),
                              reference.predict(px, verbose=0), atol=1e-5)
+  # The whole optimizer state (under ZeRO: every worker's slices of every
+  # tensor column, gathered) is one device's.
+  assert len(restored.optimizer.variables) == len(
+      reference.optimizer.variables)
+  for got, want in zip(restored.optimizer.variables,
+                       reference.optimizer.variables):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5,
+                               rtol=0, err_msg=want.path)

@@ -1,14 +1,16 @@
 """tfpar.ZeRO under TensorParallelStrategy(spmd=True): each tensor column
 (the devices with the same tensor index across data replicas) slices its
-devices' optimizer state (stage 1) and gradients (stage 2) over the data
-replicas, as Megatron + DeepSpeed run ZeRO over each tensor rank's
-data-parallel group.
+devices' optimizer state (stage 1), gradients (stage 2) and weights
+(stage 3) over the data replicas, as Megatron + DeepSpeed run ZeRO over
+each tensor rank's data-parallel group; with `offload="cpu"` the state
+lives on the host.
 
 The one-block GPT of tp_common at data 2 x tensor 2 is compared with the
 same model fitted on one device with the same optimizer: every step's
-loss and every whole weight; the optimizer slots each device holds are
-counted from the variables' components and held to the ZeRO formula; the
-saved optimizer state equals one device's, and loads back.
+loss and every whole weight; the optimizer slots (and under stage 3 the
+weights) each device holds are counted from the variables' components and
+held to the ZeRO formula; the saved optimizer state equals one device's,
+and loads back.
 """
 
 import math
@@ -19,15 +21,26 @@ import pytest
 import tensorflow as tf
 
 import tfpar
+from tfpar._compat import keras_layers
+import suite_scope
 import tp_common
 
 STEPS = 6
 LAYOUT = {"data": 2, "tensor": 2}
-# stage -> the optimizer's settings: clipping per weight and accumulation
-# (whole accumulators, saved column by column) at stage 1; global
-# clipping with the embeddings' sparse gradients at stage 2.
-SETTINGS = {1: dict(clipnorm=0.02, gradient_accumulation_steps=2),
-            2: dict(global_clipnorm=0.1)}
+# The optimizer's settings: clipping per weight and accumulation (whole
+# accumulators at stage 1, saved column by column), or global clipping
+# with the embeddings' sparse gradients.
+PER_WEIGHT = dict(clipnorm=0.02, gradient_accumulation_steps=2)
+GLOBAL = dict(global_clipnorm=0.1)
+# (stage, offload) -> its settings; runs of equal settings share their
+# one-device reference.
+CASES = {(1, None): PER_WEIGHT, (2, None): GLOBAL, (3, None): GLOBAL,
+         (1, "cpu"): PER_WEIGHT}
+# TFPAR_TEST_FULL=1 adds stage 3 under sequence parallelism (its calls
+# are not recomputed there) and offload at stage 3.
+EXTRA = {(3, None, "sequence"): GLOBAL, (3, "cpu"): GLOBAL}
+CASES.update({c: EXTRA[c] for c in suite_scope.cases([], EXTRA)})
+IDS = ["-".join(str(part) for part in case if part) for case in CASES]
 
 
 def _model(settings):
@@ -43,34 +56,42 @@ def _data():
   return tp_common.data("gpt", count=tp_common.BATCH * STEPS)
 
 
-def _strategy():
+def _strategy(sequence_parallel=False):
   devices = tf.config.list_logical_devices("CPU")[:4]
   return tfpar.TensorParallelStrategy(
-      tfpar.Mesh(LAYOUT, [d.name for d in devices]), spmd=True)
+      tfpar.Mesh(LAYOUT, [d.name for d in devices]), spmd=True,
+      sequence_parallel=sequence_parallel)
 
 
 @pytest.fixture(scope="module")
 def runs():
-  """stage -> (reference, its losses, strategy, model, its losses)."""
-  done = {}
+  """(stage, offload) -> (reference, its losses, strategy, model, its
+  losses)."""
+  references, done = {}, {}
 
-  def run(stage):
-    if stage not in done:
-      reference = _model(SETTINGS[stage])
-      expected = tp_common.step_losses(reference, *_data(), epochs=1)
-      strategy = _strategy()
+  def run(case):
+    settings = CASES[case]
+    key = tuple(sorted(settings.items()))
+    if key not in references:
+      reference = _model(settings)
+      references[key] = (reference, tp_common.step_losses(
+          reference, *_data(), epochs=1))
+    if case not in done:
+      strategy = _strategy(sequence_parallel="sequence" in case)
       with strategy.scope():
-        model = _model(SETTINGS[stage])
-      losses = tp_common.step_losses(model, *_data(), epochs=1,
-                                     callbacks=[tfpar.ZeRO(stage=stage)])
-      done[stage] = (reference, expected, strategy, model, losses)
-    return done[stage]
+        model = _model(settings)
+      stage, offload = case[:2]
+      losses = tp_common.step_losses(
+          model, *_data(), epochs=1,
+          callbacks=[tfpar.ZeRO(stage=stage, offload=offload)])
+      done[case] = (*references[key], strategy, model, losses)
+    return done[case]
   return run
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_trains_like_one_device(runs, stage):
-  reference, expected, _, model, losses = runs(stage)
+@pytest.mark.parametrize("case", list(CASES), ids=IDS)
+def test_trains_like_one_device(runs, case):
+  reference, expected, _, model, losses = runs(case)
   assert len(losses) == STEPS
   tp_common.assert_trains_like(model, losses, reference, expected)
 
@@ -80,45 +101,65 @@ def _device(name):
   return f"{spec.device_type}:{spec.device_index}"
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_each_device_holds_its_slice_of_its_shards_state(runs, stage):
-  _, _, strategy, model, _ = runs(stage)
-  data = LAYOUT["data"]
-  devices = [_device(d) for g in strategy.mesh.replicas for d in g]
-  # Counted from the optimizer's variables' per-device components.
+def _held(variables, devices):
+  """Bytes of `variables`' per-device components on each of `devices`."""
   held = dict.fromkeys(devices, 0)
-  slots = [v for v in model.optimizer.variables
-           if v.name.endswith(("_momentum", "_velocity", "_zero_slice",
-                               "_gradient_accumulator"))]
-  for variable in slots:
-    components = variable.value.values
-    assert [_device(c.device) for c in components] == devices
-    for component in components:
+  for variable in variables:
+    for component in keras_layers.storage(variable).values:
       held[_device(component.device)] += (
           component.shape.num_elements() * component.dtype.size)
-  # The formula: each trainable variable (a split weight's is its shard)
-  # has Adam's two moments and the updated weight slice in 1/data slices;
-  # with accumulation, stage 1 accumulates whole shards, stage 2 slices.
+  return held
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=IDS)
+def test_each_device_holds_its_slice_of_its_shards_state(runs, case):
+  _, _, strategy, model, _ = runs(case)
+  stage, offload = case[:2]
+  data = LAYOUT["data"]
+  devices = [_device(d) for g in strategy.mesh.replicas for d in g]
+  trainable = model.trainable_variables
+  # 1/data of each trainable variable (a split weight's is its shard).
   sliced = sum(4 * math.ceil(v.shape.num_elements() / data)
-               for v in model.trainable_variables)
-  whole = sum(4 * v.shape.num_elements() for v in model.trainable_variables)
-  accumulators = (0 if "gradient_accumulation_steps" not in SETTINGS[stage]
-                  else whole if stage == 1 else sliced)
-  expected = 3 * sliced + accumulators
-  # 1/data of each shard, up to the padding of one slice (< 1 element).
-  assert 0 <= sliced - whole / data < 4 * len(model.trainable_variables)
-  assert held == dict.fromkeys(devices, expected)
+               for v in trainable)
+  whole = sum(4 * v.shape.num_elements() for v in trainable)
+  # Up to the padding of one slice (< 1 element per variable).
+  assert 0 <= sliced - whole / data < 4 * len(trainable)
+  # Counted from the optimizer's variables' per-device components: each
+  # trainable variable has Adam's two moments and (stages 1-2) the updated
+  # weight slice in 1/data slices, one per device (all on the host CPU,
+  # here the first device, with offload); stage 1's gradient accumulators
+  # are whole shards, on the devices.
+  variables = model.optimizer.variables
+  slots = [v for v in variables
+           if v.name.endswith(("_momentum", "_velocity", "_zero_slice"))]
+  assert len(slots) == (2 if stage == 3 else 3) * len(trainable)
+  per_device = len(slots) // len(trainable) * sliced
+  held = _held(slots, devices)
+  if offload is None:
+    assert held == dict.fromkeys(devices, per_device)
+  else:
+    assert held == {d: len(devices) * per_device if d == devices[0] else 0
+                    for d in devices}
+  accumulators = [v for v in variables
+                  if v.name.endswith("_gradient_accumulator")]
+  if "gradient_accumulation_steps" in CASES[case]:
+    assert _held(accumulators, devices) == dict.fromkeys(
+        devices, whole if stage == 1 else sliced)
+  # The weights: every device its whole shard (or replicated weight) at
+  # stages 1-2; stage 3 holds it once over the data axis, 1/data each.
+  assert _held(trainable, devices) == dict.fromkeys(
+      devices, sliced if stage == 3 else whole)
   # Against the same model's slots without ZeRO (every device: 2 x whole
-  # for Adam's moments, plus the accumulators).
-  assert expected < (2 + 1) * whole
+  # for Adam's moments).
+  assert per_device < 2 * whole
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_saved_optimizer_state_is_one_devices(runs, stage, tmp_path):
-  reference, _, _, model, _ = runs(stage)
+@pytest.mark.parametrize("case", list(CASES), ids=IDS)
+def test_saved_optimizer_state_is_one_devices(runs, case, tmp_path):
+  reference, _, _, model, _ = runs(case)
   path = str(tmp_path / "zero.weights.h5")
   model.save_weights(path)
-  loaded = _model(SETTINGS[stage])
+  loaded = _model(CASES[case])
   loaded.optimizer.build(loaded.trainable_variables)
   loaded.load_weights(path)
   assert len(loaded.optimizer.variables) == len(
@@ -140,24 +181,4 @@ def test_saved_optimizer_state_is_one_devices(runs, stage, tmp_path):
     np.testing.assert_array_equal(got.numpy(), want.numpy(),
                                   err_msg=want.path)
   for got, want in zip(loaded.get_weights(), reference.get_weights()):
-    np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("zero,message", [
-    (dict(stage=3), r"stages 1 and 2.*stage=3"),
-    (dict(stage=2, offload="cpu"), r"offload='cpu'")])
-def test_unbuilt_settings_raise_before_any_work(zero, message):
-  x, y = tp_common.data("mlp", count=8)
-  devices = tf.config.list_logical_devices("CPU")[:2]
-  with tfpar.TensorParallelStrategy(
-      tfpar.Mesh({"tensor": 2}, [d.name for d in devices]),
-      spmd=True).scope():
-    model = tp_common.mlp()
-    model.compile(optimizer="adam", loss="mse")
-  before = [w.copy() for w in model.get_weights()]
-  with pytest.raises(ValueError, match=message):
-    model.fit(x, y, batch_size=8, verbose=0,
-              callbacks=[tfpar.ZeRO(**zero)])
-  assert not model.optimizer.built
-  for got, want in zip(model.get_weights(), before):
     np.testing.assert_array_equal(got, want)

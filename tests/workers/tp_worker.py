@@ -8,7 +8,13 @@ worker reads `model.get_weights()`, the numpy values of `model.weights` and
 `count_params()`, and sets the weights of a fresh
 one-device GPT (seed 9) with `set_weights`, and records its predictions.
 
-Usage: tp_worker.py OUT_DIR [spmd]
+With `zero<stage>` it fits under `tfpar.ZeRO(stage=<stage>)` (each tensor
+column's optimizer state, and at stage 3 its weights, sliced over the data
+replicas, i.e. across the workers) and every worker takes part in saving
+(`tfpar.save_weights`), which gathers the whole weights and optimizer
+state.
+
+Usage: tp_worker.py OUT_DIR [spmd] [zero1|zero2|zero3]
 """
 
 import json
@@ -27,9 +33,16 @@ def main():
   strategy = tfpar.TensorParallelStrategy(mesh, spmd="spmd" in sys.argv[2:])
   with strategy.scope():
     model = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
-  result = tp_common.worker_result(strategy, model, predict_count=20)
-  if mesh.cluster.is_chief:
-    model.save_weights(os.path.join(out_dir, "weights.weights.h5"))
+  zero = next((int(a[len("zero"):]) for a in sys.argv[2:]
+               if a.startswith("zero")), None)
+  result = tp_common.worker_result(
+      strategy, model, predict_count=20,
+      callbacks=[tfpar.ZeRO(stage=zero)] if zero else ())
+  path = os.path.join(out_dir, "weights.weights.h5")
+  if zero:  # Every worker gathers its slices; the chief writes.
+    tfpar.save_weights(model, path)
+  elif mesh.cluster.is_chief:
+    model.save_weights(path)
   result["get_weights"] = [w.tolist() for w in model.get_weights()]
   result["weights_numpy"] = [w.numpy().tolist() for w in model.weights]
   result["count_params"] = model.count_params()

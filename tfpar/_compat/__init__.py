@@ -23,6 +23,7 @@ Modules:
   keras_callbacks: the save step of Keras's checkpoint callbacks.
   keras_distribution_parts: a ModelParallel's layout map.
   keras_hub_names: keras-hub's private attribute names tfpar reads.
+  keras_hub_blocks: keras-hub blocks' attention masks (sequence slices).
 """
 
 from tfpar._compat.checks import Incompatible

@@ -33,6 +33,9 @@ _ELEMENTWISE = frozenset({
 # Ops that hand their inputs through unchanged (output i is input i).
 _PASS_THROUGH = frozenset({"Identity", "IdentityN"})
 _LIMIT = 512  # ops; a region longer than this is not an MLP's activation.
+# Read by spmd/slice_graph.py (which ops compute each position alone).
+ELEMENTWISE_OPS = _ELEMENTWISE
+PASS_THROUGH_OPS = _PASS_THROUGH
 
 
 def key(tensor):

@@ -44,7 +44,8 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       MultiHeadAttention, Embedding, ReversibleEmbedding and keras-hub
       attention layers, any Keras policy, clipping and gradient
       accumulation, on one host or across workers (each tensor group on
-      one worker), `sequence_parallel` for stock layers; other settings
+      one worker), `sequence_parallel` for stock layers and keras-hub
+      blocks; other settings
       raise `ValueError`.
 
   Raises:

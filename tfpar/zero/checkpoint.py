@@ -44,7 +44,8 @@ class WholeSlot:
 
   def numpy(self):
     first = None if self._columns is None else self._columns[0]
-    return slices.whole(self._slot, self.shape, self._parts(first))
+    return slices.whole(self._slot, self.shape, self._parts(first),
+                        first or 0)
 
   def assign(self, value):
     value = np.asarray(value)

@@ -218,8 +218,8 @@ def _apply_sharded(optimizer, state, grads, variables):
   else:
     reduce = lambda gs: _reduce_scattered(state, gs, entries)
   steps = optimizer.gradient_accumulation_steps
-  clipping.note_sparse(grads if state.stage != 3 and not steps else (),
-                       variables)
+  # Stage 3's sparse slices keep every row's entries: noted as they come.
+  clipping.note_sparse(grads if not steps else (), variables)
   if not steps:
     if state.stage != 3 and not clips(optimizer):
       # Sparse gradients as MirroredStrategy applies them.

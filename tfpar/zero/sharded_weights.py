@@ -40,10 +40,19 @@ def _in_replica():
 class GatheredWeight(keras_layers.WholeAssignment):
   """Mixin for a Keras variable whose storage is a ZeRO-3 slice variable."""
 
+  def _tfpar_parts(self, column=0):
+    """The components holding the slices of one component of the weight:
+    all of them, or under SPMD tensor parallelism (several components per
+    replica) those of one tensor column (`column`: a split weight's shard;
+    a replicated weight's columns hold equal copies)."""
+    parts = list(slices.components(self))
+    columns = getattr(self, "_tfpar_zero_columns", 1)
+    return parts if columns == 1 else parts[column::columns]
+
   def _tfpar_whole_tensor(self):
     if spread_slices.is_spread(self):
       return self._tfpar_whole_spread_tensor()
-    parts = [c.read_value() for c in slices.components(self)]
+    parts = [c.read_value() for c in self._tfpar_parts()]
     flat = tf.concat(parts, 0)[:self.shape.num_elements()]
     return tf.reshape(flat, self.shape)
 
@@ -91,7 +100,7 @@ class GatheredWeight(keras_layers.WholeAssignment):
   def _tfpar_whole_spread_tensor(self):
     """The whole weight when its slices are spread over workers."""
     if tf.executing_eagerly():  # Every worker reads it: a collective.
-      return tf.constant(slices.whole(self, self.shape))
+      return tf.constant(self.numpy())
     if keras_trainer.in_shape_inference():  # A graph that never runs.
       return tf.zeros(self.shape, self.dtype)
     raise ValueError(
@@ -105,7 +114,12 @@ class GatheredWeight(keras_layers.WholeAssignment):
                                 name=name)
 
   def numpy(self):
-    return slices.whole(self, self.shape)
+    return self._tfpar_column_numpy(0)
+
+  def _tfpar_column_numpy(self, column):
+    """Column `column`'s component of the weight, whole (NumPy): a split
+    weight's shard under SPMD tensor parallelism (`ColumnPiece`)."""
+    return slices.whole(self, self.shape, self._tfpar_parts(column), column)
 
   def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
     return np.asarray(self.numpy(), dtype=dtype)
@@ -115,10 +129,17 @@ class GatheredWeight(keras_layers.WholeAssignment):
       raise ValueError(
           f"Weight {self.path!r} is sharded by tfpar.ZeRO(stage=3); only "
           f"the optimizer updates it inside a training step.")
+    for column in range(getattr(self, "_tfpar_zero_columns", 1)):
+      self._tfpar_assign_column(column, value)
+
+  def _tfpar_assign_column(self, column, value):
+    """Sets column `column`'s component of the weight (see
+    `_tfpar_column_numpy`) to the whole `value`."""
     strategy = keras_layers.storage(self).distribute_strategy
     slices.assign_whole(self, np.asarray(value),
                         strategy.num_replicas_in_sync,
-                        slices.local_replica_ids(strategy))
+                        slices.local_replica_ids(strategy),
+                        self._tfpar_parts(column))
 
   # tf.train.Checkpoint: the whole weight, as an unsharded model saves it.
   def _serialize_to_tensors(self):
@@ -160,6 +181,7 @@ def shard(model, state):
       keras_layers.replace_storage(weight, keras_layers.storage(piece))
       state.add_entry(weight, piece)
       weight._tfpar_zero_column = column  # pylint: disable=protected-access
+      weight._tfpar_zero_columns = state.columns  # pylint: disable=protected-access
       weight._tfpar_zero_site = collectives.new_site(state.strategy)  # pylint: disable=protected-access
       weight.__class__ = _gathered_class(type(weight))
 
@@ -236,6 +258,8 @@ def regather_in_backward(model, bucket_bytes, strategy):
     bucket_bytes: the most bytes of weights one collective carries.
     strategy: the strategy of `model` (its sites of fixed keys).
   """
+  # A strategy may not recompute calls (SPMD sequence parallelism).
+  recomputes = getattr(strategy.extended, "zero_recomputes", True)
   for layer in keras_layers.flatten_layers(model):  # Planned before.
     original = getattr(layer, "_tfpar_zero_call", None)
     if original is not None:
@@ -253,6 +277,6 @@ def regather_in_backward(model, bucket_bytes, strategy):
         weight._tfpar_zero_bucket = (unit, bucket, index)  # pylint: disable=protected-access
     layer = unit.layer
     object.__setattr__(layer, "_tfpar_zero_call", layer.call)
-    wrap = _recomputed if unit.recomputed else _kept
+    wrap = _recomputed if unit.recomputed and recomputes else _kept
     layer.call = wrap(layer.call, unit)
   object.__setattr__(model, "_tfpar_zero_plan", (bucket_bytes, units))

@@ -84,15 +84,16 @@ def local_component(variable):
   return distribute.local_component(variable.value)
 
 
-def whole(slice_variable, shape, parts=None):
+def whole(slice_variable, shape, parts=None, column=0):
   """The full-shape NumPy value of a sliced variable (of `parts`, its
-  components holding the slices, when not all of them: one column's).
+  components holding the slices, when not all of them: SPMD tensor
+  column `column`'s).
 
   In a multi-worker job whose slices are spread over the workers, this
   gathers them from every worker: a collective (see `spread_slices`).
   """
-  if parts is None and spread_slices.is_spread(slice_variable):
-    flat = spread_slices.whole_flat(slice_variable)
+  if spread_slices.is_spread(slice_variable):
+    flat = spread_slices.whole_flat(slice_variable, column)
   else:
     flat = np.concatenate([np.asarray(c.read_value()) for c in (
         components(slice_variable) if parts is None else parts)])

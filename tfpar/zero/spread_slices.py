@@ -25,7 +25,7 @@ from tfpar.zero import collectives
 
 CHECKPOINT = "checkpoint"  # Phase of these gathers in a CommunicationLog.
 # id of a slice variable's distributed value (a stage-3 weight shares its
-# slice's) -> (that value, its whole flat NumPy value).
+# slice's) -> (that value, its whole flat NumPy value per column).
 _prefetched = {}
 
 
@@ -33,27 +33,40 @@ def _distributed(slice_variable):
   return keras_layers.storage(slice_variable, slice_variable)
 
 
+def _columns(strategy):
+  """Components of a variable per replica: under SPMD tensor parallelism
+  one per device of the replica's tensor group (tensor columns)."""
+  return getattr(strategy.extended, "zero_traces_per_replica", 1)
+
+
 def is_spread(slice_variable):
   """Whether some of the variable's slices live on other workers."""
   strategy = _distributed(slice_variable).distribute_strategy
-  return len(components(slice_variable)) < strategy.num_replicas_in_sync
+  local = len(components(slice_variable)) // _columns(strategy)
+  return local < strategy.num_replicas_in_sync
 
 
 def _gather(variables):
-  """Every replica's slices of each variable, concatenated (NumPy)."""
+  """Every replica's slices of each variable, concatenated (NumPy), one
+  array per tensor column (one, but under SPMD tensor parallelism)."""
   values = [_distributed(v) for v in variables]
   strategy = values[0].distribute_strategy
   names = [v.name for v in variables]
+  # SPMD: each trace gathers its column's slices; the first device of a
+  # group, whose results leave the replica, gathers every column's.
+  over_columns = getattr(strategy.extended, "zero_gather_columns", None)
 
   def gather_on_replica():
     # In a replica context a slice variable reads as the replica's slice.
     pieces = [tf.convert_to_tensor(v) for v in values]
-    return collectives.all_gather_many(
+    wholes = collectives.all_gather_many(
         pieces, CHECKPOINT, names, [None] * len(pieces),
         collectives.DEFAULT_BUCKET_BYTES)
+    return over_columns(wholes) if over_columns else wholes
 
   wholes = tf.function(lambda: strategy.run(gather_on_replica))()
-  return [strategy.experimental_local_results(w)[0].numpy() for w in wholes]
+  found = [strategy.experimental_local_results(w)[0].numpy() for w in wholes]
+  return [list(f) if over_columns else [f] for f in found]
 
 
 def gather_parts(strategy, parts, name):
@@ -80,13 +93,14 @@ def gather_parts(strategy, parts, name):
   return strategy.experimental_local_results(whole)[0].numpy()
 
 
-def whole_flat(slice_variable):
+def whole_flat(slice_variable, column=0):
   """The whole flattened value of a spread slice variable (a collective
-  unless prefetched)."""
+  unless prefetched); under SPMD tensor parallelism, of its components in
+  tensor column `column`."""
   found = _prefetched.get(id(_distributed(slice_variable)))
   if found is not None:
-    return found[1]
-  return _gather([slice_variable])[0]
+    return found[1][column]
+  return _gather([slice_variable])[0][column]
 
 
 @contextlib.contextmanager

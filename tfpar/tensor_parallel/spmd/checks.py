@@ -4,17 +4,18 @@ raises a `ValueError` naming the setting before any work is done."""
 import keras
 import tensorflow as tf
 
+from tfpar._compat import keras_hub_blocks
 from tfpar._compat import keras_layers
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
+from tfpar.tensor_parallel.spmd import blocks
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
 from tfpar.tensor_parallel.spmd import sequence
 
 _RULE = ("spmd=True supports models of Dense, EinsumDense, "
          "MultiHeadAttention, Embedding, ReversibleEmbedding and keras-hub "
-         "attention layers, each tensor group on one worker, ZeRO stages "
-         "1-2 on one host")
+         "attention layers, each tensor group on one worker")
 
 
 def check_strategy(mesh):
@@ -78,30 +79,48 @@ def check_model(model, sequence_parallel):
               f"Use None or 1 there.")
 
 
-def check_layouts(layer_layouts, sequence_parallel=False):
+def check_layouts(layer_layouts, sequence_parallel=False, model=None):
   """Refuses layouts with no SPMD computation.
 
   Args:
     layer_layouts: the resolved `LayerLayout`s of the split layers.
     sequence_parallel: the strategy's `sequence_parallel`.
+    model: the model they belong to (sequence parallelism checks the
+      layers of its graph that hold split layers).
 
   Raises:
-    ValueError: with sequence parallelism, keras-hub attention or a
-      ReversibleEmbedding (they run inside blocks whose graph is not the
-      model's); an Embedding subclass other than ReversibleEmbedding; a
-      layout with no SPMD computation.
+    ValueError: with sequence parallelism, split layers inside a layer of
+      the model's graph that is not a keras-hub block tfpar runs on
+      sequence slices, or a `ReversibleEmbedding(mask_zero=True)` (its
+      mask would be the whole sequence's, its output a slice); an
+      Embedding subclass other than ReversibleEmbedding; a layout with no
+      SPMD computation.
   """
+  if sequence_parallel and model is not None:
+    for container in blocks.containers(
+        model, [layout.layer for layout in layer_layouts]):
+      if not blocks.is_block(container):
+        raise ValueError(
+            f"TensorParallelStrategy(spmd=True, sequence_parallel=True) "
+            f"cannot run layer {container.name!r} "
+            f"({type(container).__name__}) on sequence slices: it holds "
+            f"split layers, and sequence parallelism runs on slices the "
+            f"model's graph and the keras-hub blocks it knows "
+            f"({', '.join(sorted(keras_hub_blocks.BLOCK_MASKS))}) only; "
+            f"{_RULE}. Build the model from those layers' graph (e.g. "
+            f"keras.Model(backbone.input, ...)) or use "
+            f"sequence_parallel=False.")
   for layout in layer_layouts:
     layer = layout.layer
     reversible = isinstance(layer, keras.layers.ReversibleEmbedding)
-    if sequence_parallel and (layout.kind == layouts.HEADS or reversible):
+    if sequence_parallel and reversible and getattr(layer, "mask_zero",
+                                                    False):
       raise ValueError(
           f"TensorParallelStrategy(spmd=True, sequence_parallel=True) "
-          f"cannot split layer {layer.name!r} ({type(layer).__name__}): "
-          f"sequence parallelism runs the model's own graph operation by "
-          f"operation, and keras-hub blocks and tied embeddings compute "
-          f"inside layers of their own; {_RULE}. Use "
-          f"sequence_parallel=False.")
+          f"cannot split layer {layer.name!r} ({type(layer).__name__}) "
+          f"with mask_zero=True: its output is a sequence slice, its Keras "
+          f"mask the whole sequence's; {_RULE}. Pass a padding mask "
+          f"instead, or use sequence_parallel=False.")
     if layout.kind == layouts.EMBEDDING and (
         type(layer) is not keras.layers.Embedding and not reversible):
       raise ValueError(
@@ -117,55 +136,3 @@ def check_layouts(layer_layouts, sequence_parallel=False):
       raise ValueError(
           f"TensorParallelStrategy(spmd=True) cannot split layer "
           f"{layer.name!r} as {layout.kind} {layout.style}; {_RULE}.")
-
-
-def check_optimizer(optimizer, mesh=None):
-  """Refuses optimizer settings the SPMD step does not reproduce.
-
-  Args:
-    optimizer: the model's optimizer (or None).
-    mesh: the strategy's `tfpar.Mesh` (None: the one ZeRO's strategy has).
-
-  Raises:
-    ValueError: ZeRO settings `check_zero` refuses (also on a
-      LossScaleOptimizer's inner optimizer).
-  """
-  if optimizer is None:
-    return
-  inner = getattr(optimizer, "inner_optimizer", None)
-  if inner is not None:  # Loss scaling (mixed_float16): its optimizer.
-    check_optimizer(inner, mesh)
-  state = getattr(optimizer, "_tfpar_zero", None)
-  if state is not None:
-    check_zero(state.stage, state.offload,
-               mesh or state.strategy.extended.mesh)
-
-
-def check_zero(stage, offload, mesh):
-  """Refuses `tfpar.ZeRO` settings not built under SPMD.
-
-  Args:
-    stage: ZeRO's stage.
-    offload: ZeRO's offload.
-    mesh: the strategy's `tfpar.Mesh`.
-
-  Raises:
-    ValueError: stage 3 (its weight slices are gathered inside the layers'
-      calls, which SPMD replaces per device), CPU offload (not built), or
-      a multi-worker mesh (ZeRO's whole-state saving gathers one column).
-  """
-  rule = ("TensorParallelStrategy(spmd=True) runs tfpar.ZeRO stages 1 and "
-          "2 without offload, on one host")
-  if stage == 3:
-    raise ValueError(
-        f"{rule}. Received: ZeRO(stage=3): stage 3 gathers weight slices "
-        f"inside the layers' calls, and SPMD's split layers read their "
-        f"device's shard there; use stage 1 or 2, or spmd=False.")
-  if offload is not None:
-    raise ValueError(
-        f"{rule}. Received: ZeRO(offload={offload!r}); use offload=None, "
-        f"or spmd=False.")
-  if mesh.is_multi_worker:
-    raise ValueError(
-        f"{rule}. Received: a mesh over {mesh.cluster.num_workers} "
-        f"workers with ZeRO(stage={stage}); use spmd=False there.")

@@ -155,8 +155,11 @@ def _call(layer, heads, memo):
                      slot.tensor_index))
     elif memo.slices is not None and memo.slices.is_sliced(inputs):
       splits.append(((sequence.AXIS,), None, t, slot.tensor_index))
-    return one_device_dropout(inputs, layer.rate, layer.noise_shape,
-                              layer.seed_generator, splits)
+    outputs = one_device_dropout(inputs, layer.rate, layer.noise_shape,
+                                 layer.seed_generator, splits)
+    if heads is None and splits:  # A slice (read inside keras-hub blocks).
+      memo.slices.mark(outputs)
+    return outputs
   return call
 
 

@@ -117,9 +117,8 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
     optimizer = getattr(model, "optimizer", None)
     if not already:
       checks.check_model(model, self._sequence_parallel)
-      checks.check_optimizer(optimizer)
       already = plan_lib.as_plan(self._plan).resolve(model, self.tensor_size)
-      checks.check_layouts(already, self._sequence_parallel)
+      checks.check_layouts(already, self._sequence_parallel, model)
       strategy = self._container_strategy()
       paired = layers_lib.paired_layers(model, already)
       for layout in already:
@@ -142,7 +141,6 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
       self._adopt(optimizer, model)
 
   def _adopt(self, optimizer, model):
-    checks.check_optimizer(optimizer)
     optimizer_lib.adopt(optimizer, model, self._groups,
                         self._memo.partial_weights)
 
@@ -183,8 +181,6 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
 
   def _call_for_each_replica(self, fn, args, kwargs):
     self.prepare_pending_models()
-    for model in self.registered_models():
-      checks.check_optimizer(getattr(model, "optimizer", None))
     if tf.executing_eagerly():
       raise ValueError(
           "TensorParallelStrategy(spmd=True) runs replica functions traced "

@@ -180,6 +180,11 @@ def _install_heads(layer_layout, memo):
   original = type(layer).call.__get__(layer)
 
   def call(*args, **kwargs):
+    if memo.slices is not None and collectives.current_slot() is not None:
+      # In a block run on sequence slices: the whole sequence (rotary
+      # positions, scores), gathered once for all its projections.
+      args, kwargs = memo.slices.gather_arguments(args, kwargs, layer.name,
+                                                  layer.compute_dtype)
     saved = {name: getattr(layer, name) for name in local}
     try:
       for name, value in local.items():

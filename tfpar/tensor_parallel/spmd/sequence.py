@@ -10,13 +10,15 @@ whole sequence (a column-parallel projection, attention) all-gathers it
 (its backward reduce-scatters the gradient: Megatron's f). Any other
 operation reading a slice gets the whole sequence all-gathered first
 (backward: each device keeps its slice of the replicated gradient), and so
-do the model's outputs. Per device, the regions' activations take
-1/tensor of the memory and the bytes stay those of one all-reduce.
+do the model's outputs. keras-hub blocks run their own call on slices
+(`blocks.py`). Per device, the regions' activations take 1/tensor of the
+memory and the bytes stay those of one all-reduce.
 """
 
 import keras
 import tensorflow as tf
 
+from tfpar._compat import keras_hub_blocks
 from tfpar._compat import keras_layers
 from tfpar._compat import keras_optimizers
 from tfpar._compat import spmd_run
@@ -25,15 +27,22 @@ from tfpar.common import instrument
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import sequence as tp_sequence
+from tfpar.tensor_parallel.spmd import blocks
 from tfpar.tensor_parallel.spmd import collectives
+from tfpar.tensor_parallel.spmd import slice_graph
 
 AXIS = 1  # [batch, sequence, ...]
 
 def is_position_wise(operation):
   """Whether `operation` computes each position of the sequence alone (a
   plain `Dropout` too: it draws one device's mask and keeps its slice,
-  `dropout.py`; its subclasses get the whole sequence)."""
+  `dropout.py`; its subclasses get the whole sequence; keras-hub's and
+  Keras's RMS norms over the features)."""
+  if isinstance(operation, keras.layers.RMSNormalization):
+    axes = tf.nest.flatten(operation.axis)
+    return all(a == -1 or a >= 2 for a in axes)
   return type(operation) is keras.layers.Dropout or (
+      keras_hub_blocks.is_position_wise_norm(operation) or
       tp_sequence.is_position_wise(operation, dropout=False))
 
 
@@ -63,6 +72,7 @@ class Slices:
     self.groups = groups
     self.float32_sums = float32_sums
     self._sliced = {}
+    self._walked = {}  # slice_graph's answers for unmarked tensors.
     self._whole = {}
     self.gathered = {}  # Outputs of `for_split_layer` (f already done).
     # Replicated weights applied to slices (LayerNorms, row biases): each
@@ -79,6 +89,7 @@ class Slices:
 
   def clear(self):
     self._sliced.clear()
+    self._walked.clear()
     self._whole.clear()
     self.gathered.clear()
 
@@ -88,7 +99,21 @@ class Slices:
     return x
 
   def is_sliced(self, x):
-    return tf.is_tensor(x) and x.ref() in self._sliced
+    """Whether `x` is a sequence slice: marked, or computed position by
+    position from slices (`slice_graph.py`: inside keras-hub blocks)."""
+    return tf.is_tensor(x) and (
+        x.ref() in self._sliced or
+        slice_graph.is_slice(x, self._sliced, self._walked))
+
+  def gather_arguments(self, args, kwargs, layer, compute_dtype):
+    """`(args, kwargs)` of an attention layer with its sequence slices
+    all-gathered (in float32 under a half-precision `compute_dtype` with
+    float32 sums: its projections' input gradients are summed so)."""
+    wide = self.float32_sums and compute_dtype in ("bfloat16", "float16")
+    return tree.map_structure(
+        lambda x: (self.for_split_layer(
+            rounding.widened(x) if wide else x, layer)
+                   if self.is_sliced(x) else x), (args, kwargs))
 
   def for_split_layer(self, x, layer):
     """The whole of slice `x` for a split layer (partial gradients back:
@@ -142,12 +167,8 @@ def install(model, slices):
         # its output is a slice when its row projection reduce-scattered.
         before = slices.scatters
         if layout.kind == layouts.ATTENTION:
-          wide = slices.float32_sums and operation.compute_dtype in (
-              "bfloat16", "float16")
-          args, kwargs = tree.map_structure(
-              lambda x: (slices.for_split_layer(
-                  rounding.widened(x) if wide else x, name)
-                         if slices.is_sliced(x) else x), (args, kwargs))
+          args, kwargs = slices.gather_arguments(args, kwargs, name,
+                                                 operation.compute_dtype)
         outputs = call(*args, **kwargs)
         if slices.scatters > before:
           tree.map_structure(
@@ -155,6 +176,11 @@ def install(model, slices):
         return outputs
       if not leaves:
         return call(*args, **kwargs)
+      if id(operation) in block_ids:
+        return blocks.run(operation, call, args, kwargs, slices)
+      if blocks.is_position_embedding(operation):
+        return blocks.position_embedding(operation, call, args, kwargs,
+                                         slices)
       if is_position_wise(operation):
         def replace(x):
           if (not tf.is_tensor(x) or slices.is_sliced(x) or
@@ -173,6 +199,12 @@ def install(model, slices):
             y.shape.rank is not None and y.shape.rank >= 3 else y, outputs)
       return outputs
     return run
+
+  block_ids = set()
+  for block in blocks.containers(model):
+    if blocks.is_block(block):
+      blocks.install(block, slices)
+      block_ids.add(id(block))
 
   def finish(outputs):
     if collectives.current_slot() is None:

@@ -51,14 +51,24 @@ class ColumnPiece:
   @property
   def value(self):
     """The shard as held by the first replica."""
+    if hasattr(self._variable, "_tfpar_column_numpy"):
+      return tf.constant(self.numpy())
     return tf.convert_to_tensor(self._components()[0])
 
   def numpy(self):
     """The shard, as a NumPy array."""
+    # Sliced by tfpar.ZeRO(stage=3) over the column: it joins the slices.
+    column_numpy = getattr(self._variable, "_tfpar_column_numpy", None)
+    if column_numpy is not None:
+      return column_numpy(self._column)
     return self._components()[0].numpy()
 
   def assign(self, value):
     """Sets the shard on every replica."""
+    assign_column = getattr(self._variable, "_tfpar_assign_column", None)
+    if assign_column is not None:
+      assign_column(self._column, value)
+      return
     for component in self._components():
       component.assign(value)
 

@@ -12,9 +12,9 @@ runs ZeRO's collectives among the k-th devices of every replica.
 
 import tensorflow as tf
 
+from tfpar._compat import distribute
 from tfpar._compat import keras_layers
 from tfpar.common import instrument
-from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import collectives
 
 
@@ -22,20 +22,20 @@ class ZeroHooks:
   """Mixin of `SpmdTensorParallelExtended` (needs `tensor_size`, `_groups`
   and `_memo`)."""
 
-  def zero_check(self, stage, offload):
-    """Raises a ValueError for ZeRO settings not built under SPMD
-    (`checks.check_zero`), before ZeRO changes anything.
-
-    Args:
-      stage: ZeRO's stage.
-      offload: ZeRO's offload.
-    """
-    checks.check_zero(stage, offload, self.mesh)
-
   @property
   def zero_traces_per_replica(self):
     """Components of every variable per data replica (one per device)."""
     return self.tensor_size
+
+  @property
+  def zero_recomputes(self):
+    """Whether ZeRO-3 may run a layer's call again in its backward pass
+    (gathering its weights again there). Not under sequence parallelism:
+    its gathers of the sequence mark the tensors they hand the split
+    layers (`Slices.gathered`: `f` done), and a recomputed call would get
+    unmarked copies and apply `f` again, summing input gradients twice
+    over the group. Gathered weights then live until the backward pass."""
+    return not self._sequence_parallel
 
   def zero_trace(self):
     """(tensor column, index among this worker's data replicas) of the
@@ -44,6 +44,22 @@ class ZeroHooks:
     if slot is None:
       return None
     return slot.tensor_index, slot.device_index // self.tensor_size
+
+  def zero_gather_columns(self, wholes):
+    """Each of `wholes` (this trace's tensor column's whole vectors) as
+    `[tensor, n]`: every column's, gathered over the tensor group (saving
+    a multi-worker ZeRO state: only the groups' first devices' results
+    leave a replica).
+
+    Args:
+      wholes: vectors of equal length on every device of a group.
+    """
+    slot = collectives.current_slot()
+    if slot is None:
+      return [tf.expand_dims(w, 0) for w in wholes]
+    launcher = self._groups.launcher(slot.device_index)
+    return [distribute.all_gather(launcher, tf.expand_dims(w, 0))
+            for w in wholes]
 
   def zero_partial_gradients(self, grads, variables):
     """`grads` with those of replicated weights that are partial on each
