@@ -16,6 +16,20 @@ _CPU = pytest.StashKey[dict]()
 tfpar.configure_virtual_cpus(NUM_TEST_DEVICES)
 
 
+def _spmd_by_default():
+  """With TFPAR_TEST_SPMD_DEFAULT=1, `TensorParallelStrategy` defaults to
+  `spmd=True` in this run: what making SPMD the default would break."""
+  init = tfpar.TensorParallelStrategy.__init__
+  names = init.__code__.co_varnames[:init.__code__.co_argcount]
+  defaults = dict(zip(names[-len(init.__defaults__):], init.__defaults__))
+  defaults["spmd"] = True
+  init.__defaults__ = tuple(defaults.values())
+
+
+if os.environ.get("TFPAR_TEST_SPMD_DEFAULT") == "1":
+  _spmd_by_default()
+
+
 def _cpu_seconds():
   """CPU seconds of this process and of its finished child processes (the
   workers a multi-worker test starts)."""
