@@ -136,7 +136,10 @@ def position_embedding(layer, call, args, kwargs, slices):
   inputs, rest = args[0], args[1:]
   if rest or kwargs.get("positions") is not None:  # Positions given.
     return call(slices.for_replicated(inputs, layer.name), *rest, **kwargs)
-  start = collectives.current_slot().tensor_index * inputs.shape[AXIS]
+  length = inputs.shape[AXIS]
+  if length is None:  # A sequence length known only when the step runs.
+    length = tf.shape(inputs)[AXIS]
+  start = collectives.current_slot().tensor_index * length
   kwargs["start_index"] = kwargs.get("start_index", 0) + start
   outputs = call(inputs, **kwargs)
   slices.mark_weights(layer.trainable_weights)
