@@ -5,7 +5,9 @@ Imported by `tests/test_gradient_accumulation.py` and by
 `benchmarks/bench_accumulation.py` (which puts this directory on its path).
 """
 
+import collections
 import contextlib
+import threading
 
 import tensorflow as tf
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
@@ -33,13 +35,24 @@ def update_all_reduces():
         counters[tf.DeviceSpec.from_string(device).device_index] = (
             tf.Variable(0, dtype=tf.int64, trainable=False),
             tf.Variable(0, dtype=tf.int64, trainable=False))
-  inside_update = []
+  # Replica threads inside their update step (by thread id). Other replica
+  # threads trace their forward pass meanwhile (tfpar's spmd=True traces
+  # one per device; its layers all-reduce activations): only the update's
+  # own thread counts, and the merge function it calls, which runs in the
+  # cross-replica context while the replica threads wait in the update.
+  inside_update = collections.Counter()
   original_reduce = collective_ops.all_reduce_v2
   original_update = tf_optimizer.TFOptimizer._backend_update_step
 
+  def launched_by_update():
+    if inside_update[threading.get_ident()]:
+      return True
+    return (tf.distribute.in_cross_replica_context() and
+            any(inside_update.values()))
+
   def all_reduce_v2(t, *args, **kwargs):
     result = original_reduce(t, *args, **kwargs)
-    if not inside_update:
+    if not launched_by_update():
       return result
     executions, sent = counters[
         tf.DeviceSpec.from_string(result.device).device_index]
@@ -50,11 +63,11 @@ def update_all_reduces():
       return tf.identity(result)
 
   def update_step(self, *args, **kwargs):
-    inside_update.append(True)
+    inside_update[threading.get_ident()] += 1
     try:
       return original_update(self, *args, **kwargs)
     finally:
-      inside_update.pop()
+      inside_update[threading.get_ident()] -= 1
 
   totals = {}
   collective_ops.all_reduce_v2 = all_reduce_v2

@@ -18,8 +18,32 @@ def _tensor2():
 def test_regularized_model_trains_like_one_device():
   # pp_common's chain: an L2 kernel regularizer on a split layer, and
   # activity regularizers.
-  pp_common.assert_same_training(pp_common.one_device(),
-                                 pp_common.train(_tensor2()))
+  reference, result = pp_common.one_device(), pp_common.train(_tensor2())
+  pp_common.assert_same_training(reference, result)
+  # The layers' regularizers serialize as the user gave them.
+  model, plain = result[4], reference[4]
+  for name in ("embed", "block0_in"):
+    assert model.get_layer(name).get_config() == (
+        plain.get_layer(name).get_config())
+
+
+def test_spmd_refuses_activity_terms_of_split_outputs():
+  """Under spmd a paired column-parallel layer's output stays split: its
+  activity regularizer must be a sum over elements."""
+  strategy = tfpar.TensorParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}), spmd=True)
+  with pytest.raises(ValueError, match=(
+      "'up' has its output split .* activity_regularizer "
+      "_LargestValue is not a sum over elements")):
+    with strategy.scope():
+      _pair(first={"activity_regularizer": _LargestValue()})
+
+
+class _LargestValue(keras.regularizers.Regularizer):
+  """A term of the whole tensor: its largest absolute value."""
+
+  def __call__(self, x):
+    return keras.ops.max(keras.ops.abs(x))
 
 
 def _pair(first=None, second=None):

@@ -76,6 +76,9 @@ def test_shards_live_on_their_devices():
   # devices (shard 0's by the replica heads' own).
   assert set(strategy.extended._column_ops) == {1}  # pylint: disable=protected-access
   kernel = model.get_layer("block0_mlp_in")._kernel  # pylint: disable=protected-access
+  if tp_common.is_spmd(strategy):
+    _check_spmd_shards(model, kernel, groups)
+    return
   assert isinstance(kernel, tfpar.ShardedWeight)
   assert kernel.shape == (16, 64)
   for index, shard in enumerate(kernel.shards):
@@ -86,6 +89,28 @@ def test_shards_live_on_their_devices():
       if slot.name.startswith(shard.path.replace("/", "_") + "_"):
         assert [c.device for c in slot._value.values] == [  # pylint: disable=protected-access
             g[index] for g in groups]
+
+
+def _check_spmd_shards(model, kernel, groups):
+  """spmd=True: the layer's kernel is one variable of the shard's shape
+  whose component on the k-th device of every group holds shard k of the
+  whole weight; its Adam slots have the same components."""
+  devices = [d for group in groups for d in group]
+  t = len(groups[0])
+  whole = kernel._tfpar_shard_of[0]  # pylint: disable=protected-access
+  assert isinstance(whole, tfpar.ShardedWeight) and whole.shape == (16, 64)
+  assert tuple(kernel.shape) == (16, 32)
+  pieces = np.split(whole.numpy(), t, axis=1)
+  components = kernel.value.values
+  assert [c.device for c in components] == devices
+  for index, component in enumerate(components):
+    np.testing.assert_array_equal(component.numpy(), pieces[index % t])
+  slots = [v for v in model.optimizer.variables
+           if v.name.startswith("block0_mlp_in_kernel_")]
+  assert len(slots) == 2  # Adam's moments.
+  for slot in slots:
+    assert tuple(slot.shape) == (16, 32)
+    assert [c.device for c in slot.value.values] == devices
 
 
 def test_backward_runs_on_the_shard_devices():
@@ -114,6 +139,15 @@ def test_backward_runs_on_the_shard_devices():
   # matmuls of its own shards (dW and dx of each), none on another device.
   counts = [len(matmuls.get(d, [])) for d in devices]
   assert counts == [counts[0]] * 4, matmuls.keys()
+  if tp_common.is_spmd(strategy):
+    # Every device traces the step on its shards: 4 forward matmuls, 4
+    # kernel gradients and 3 input gradients (the first layer's input is
+    # the data), nowhere else.
+    gradient_matmuls = [n for d in devices for n in matmuls[d]
+                        if "grad" in n.lower()]
+    assert counts == [11] * 4 and len(gradient_matmuls) == 7 * 4, matmuls
+    assert sum(counts) == sum(len(v) for v in matmuls.values())
+    return
   assert counts[0] >= 3 * 4
   gradient_matmuls = [n for d in devices for n in matmuls[d]
                       if "gradient" in n.lower() or "grad" in n.lower()]
@@ -125,9 +159,16 @@ def test_backward_runs_on_the_shard_devices():
     f"{k}{v}" for k, v in l.items()))
 def test_megatron_communication_per_step(layout):
   # The log of the shared run: what one traced step emits.
-  log = tp_common.trained_gpt(layout).log
+  run = tp_common.trained_gpt(layout)
+  log = run.log
   blocks, t = tp_common.BLOCKS, layout["tensor"]
   embeddings = 2  # Token and position tables, vocabulary-parallel.
+  batch = tp_common.BATCH // layout["data"]
+  activation = batch * tp_common.SEQUENCE * tp_common.WIDTH * 4
+  if tp_common.is_spmd(run.strategy):
+    _check_spmd_all_reduces(log, run.strategy, blocks, embeddings,
+                            activation)
+    return
   # Per block Megatron's 2 all-reduces forward and 2 backward; each is a
   # reduce onto the head and a broadcast from it. No gathers at all.
   assert log.counts() == {
@@ -136,8 +177,6 @@ def test_megatron_communication_per_step(layout):
       ("broadcast", "backward"): 2 * blocks + embeddings,
       ("reduce", "backward"): 2 * blocks,
   }
-  batch = tp_common.BATCH // layout["data"]
-  activation = batch * tp_common.SEQUENCE * tp_common.WIDTH * 4
   ids = batch * tp_common.SEQUENCE * 4
   assert log.bytes() == {
       ("broadcast", "forward"): (t - 1) * (2 * blocks * activation +
@@ -147,6 +186,30 @@ def test_megatron_communication_per_step(layout):
                                  activation,
       ("reduce", "backward"): (t - 1) * 2 * blocks * activation,
   }
+
+
+def _check_spmd_all_reduces(log, strategy, blocks, embeddings, activation):
+  """spmd=True: each of the t devices of a group runs Megatron's
+  all-reduces among the group (2 per block and the embeddings' forward,
+  2 per block backward) plus one of global_clipnorm's squared norm (a
+  float32 scalar), sending 2 (t - 1) / t of each in the ring."""
+  t = strategy.extended.tensor_size
+  records = log.step_records()
+  assert sorted({r.tensor.device for r in records}) == sorted(
+      strategy.mesh.replicas[0])
+  assert log.counts() == {
+      ("all-reduce", "forward"): t * (2 * blocks + embeddings),
+      ("all-reduce", "backward"): t * (2 * blocks + 1),
+  }
+  ring = lambda nbytes: 2 * (t - 1) * nbytes // t
+  assert log.bytes() == {
+      ("all-reduce", "forward"): t * (2 * blocks + embeddings) *
+                                 ring(activation),
+      ("all-reduce", "backward"): t * (2 * blocks * ring(activation) +
+                                       ring(4)),
+  }
+  assert sorted(r.layer for r in records if r.bytes == ring(4)) == [
+      "global_clipnorm"] * t
 
 
 def test_describe_lists_every_variable():
@@ -193,16 +256,20 @@ def test_memory_report_splits_sharded_weights_and_slots():
   devices = strategy.mesh.replicas[0]
   assert report.devices == sorted(devices)
   # Sharded: both Dense pairs' kernels and the column layers' biases.
-  sharded = sum(4 * int(np.prod(model.get_layer(n)._kernel.shape))  # pylint: disable=protected-access
+  # Bytes of the whole (one device's) weights.
+  sharded = sum(4 * int(np.prod(reference.get_layer(n).kernel.shape))
                 for n in ("pair1_in", "pair1_out", "pair2_in", "pair2_out"))
   sharded += 4 * (64 + 32)
   replicated = sum(one_device.parameters.values()) - sharded
+  # The head design keeps replicated weights, the step counter and the
+  # learning rate on the head only; spmd=True on every device.
+  everywhere = tp_common.is_spmd(strategy)
+  extra = sum(one_device.optimizer.values()) - 2 * (sharded + replicated)
+  assert extra > 0
   for index, device in enumerate(devices):
-    expected = sharded // 4 + (replicated if index == 0 else 0)
+    holds = index == 0 or everywhere
+    expected = sharded // 4 + (replicated if holds else 0)
     assert report.parameters[device] == expected
-    # Adam: two slots per weight; the step counter and learning rate on the
-    # head.
+    # Adam: two slots per weight.
     slots = 2 * expected
-    assert report.optimizer[device] - slots == (
-        (sum(one_device.optimizer.values()) - 2 * (sharded + replicated))
-        if index == 0 else 0)
+    assert report.optimizer[device] - slots == (extra if holds else 0)

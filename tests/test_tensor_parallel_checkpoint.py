@@ -91,6 +91,18 @@ def test_checkpoint_has_the_entries_of_an_unsharded_model(saved, tmp_path):
   assert [16, 2, 4] not in shapes  # No attention shard.
 
 
+def _assert_split(model, path, tensor):
+  """`model.weights` lists the weight at `path` whole, held as `tensor`
+  column shards (the head design's shard variables, or spmd's per-device
+  components of one variable)."""
+  weight, = [w for w in model.weights if w.path == path]
+  assert isinstance(weight, tfpar.ShardedWeight), weight
+  whole = list(weight.shape)
+  assert len(weight.shards) == tensor
+  for shard in weight.shards:
+    assert [whole[0], whole[1] // tensor] == list(shard.shape)
+
+
 # A .keras file makes its own model. The other two kinds load into an
 # existing model, so one model per target takes both in turn: the second
 # load must replace all the first load and its fit left behind.
@@ -108,8 +120,7 @@ def test_checkpoint_reshards_with_optimizer_state(saved, kinds, target):
   for kind in KINDS[kinds]:
     model = _load(kind, paths[kind], layout, model)
     if layout is not None and layout["tensor"] > 1:
-      assert isinstance(model.get_layer("block0_mlp_in")._kernel,  # pylint: disable=protected-access
-                        tfpar.ShardedWeight)
+      _assert_split(model, "block0_mlp_in/kernel", layout["tensor"])
     np.testing.assert_allclose(model.predict(x[:16], verbose=0),
                                predictions, atol=1e-5, rtol=0, err_msg=kind)
     # Equal losses after the restore only if the Adam moments (and step

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfpar
 import tp_common
@@ -115,7 +116,16 @@ def test_model_built_by_fit_is_sharded_before_its_first_step():
     model.compile(optimizer="adam", loss="mse")
   x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
   model.fit(x, x[:, :2], batch_size=8, epochs=2, verbose=0)
-  assert isinstance(model.layers[0]._kernel, tfpar.ShardedWeight)  # pylint: disable=protected-access
+  kernel = model.layers[0]._kernel  # pylint: disable=protected-access
+  if tp_common.is_spmd(strategy):
+    # One variable of the shard's shape, shard k on the k-th device; its
+    # whole view is the ShardedWeight.
+    assert tuple(kernel.shape) == (4, 4)
+    assert [c.device for c in kernel.value.values] == [
+        d for group in strategy.mesh.replicas for d in group]
+    kernel = kernel._tfpar_shard_of[0]  # pylint: disable=protected-access
+  assert isinstance(kernel, tfpar.ShardedWeight)
+  assert tuple(kernel.shape) == (4, 8)
   plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
       8, activation="relu"), keras.layers.Dense(2)])
   plain.set_weights(list(tfpar.logical_weights(model).values()))
@@ -128,9 +138,12 @@ def test_model_first_built_inside_a_step_is_refused():
   with strategy.scope():
     model = keras.Sequential([keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(2)])
+  # Traced, as a step is (spmd=True runs no eager strategy.run).
+  step = tf.function(lambda: strategy.run(
+      lambda: model(tf.zeros((2, 4)))))
   with pytest.raises(ValueError, match=r"weights would stay replicated. "
                      r"Build it inside strategy.scope\(\) before"):
-    strategy.run(lambda: model(np.zeros((2, 4), "float32")))
+    step()
 
 
 def test_bad_strategy_arguments():

@@ -57,6 +57,9 @@ def _step_log(layout, sequence_parallel):
 def test_reduce_scatter_and_all_gather_replace_the_all_reduces(layout):
   log = _step_log(layout, sequence_parallel=True)
   blocks, embeddings = tp_common.BLOCKS, 2
+  if tp_common.is_spmd(tp_common.trained_gpt(layout, True).strategy):
+    _check_spmd_collectives(layout, log, blocks, embeddings)
+    return
   counts = log.counts()
   assert counts == {
       # Token ids go out whole; every reduce becomes a reduce-scatter and
@@ -82,6 +85,42 @@ def test_reduce_scatter_and_all_gather_replace_the_all_reduces(layout):
           dense[("reduce", "backward")])
   assert (plain[("all-gather", "backward")] ==
           dense[("broadcast", "backward")])
+
+
+def _check_spmd_collectives(layout, log, blocks, embeddings):
+  """spmd=True, per device of a group (t of them): Megatron's all-reduces
+  become a reduce-scatter and an all-gather of the same tensor, each
+  sending (t - 1) / t of it where the all-reduce sent 2 (t - 1) / t, so
+  the same bytes; the vocabulary head all-gathers the final LayerNorm's
+  slices, and the weights applied to slices (every LayerNorm's gamma and
+  beta, the row-parallel biases) have their gradients all-reduced over
+  the group, as does global_clipnorm's squared norm."""
+  t = layout["tensor"]
+  norms = 2 * blocks + 1  # LayerNormalization layers.
+  assert log.counts() == {
+      ("reduce-scatter", "forward"): t * (2 * blocks + embeddings),
+      ("all-gather", "backward"): t * (2 * blocks + embeddings),
+      ("all-gather", "forward"): t * (2 * blocks + 1),
+      ("reduce-scatter", "backward"): t * 2 * blocks,
+      ("all-reduce", "backward"): t * (2 * norms + 2 * blocks + 1),
+  }
+  plain = log.bytes()
+  dense = _step_log(layout, sequence_parallel=False).bytes()
+  batch = tp_common.BATCH // layout["data"]
+  activation = batch * tp_common.SEQUENCE * tp_common.WIDTH * 4
+  ring = lambda nbytes: 2 * (t - 1) * nbytes // t
+  head_gather = t * (t - 1) * activation // t
+  clipnorm = t * ring(4)
+  # g: forward all-reduce -> reduce-scatter, its gradient an all-gather.
+  assert (plain[("reduce-scatter", "forward")] +
+          plain[("all-gather", "backward")] ==
+          dense[("all-reduce", "forward")])
+  # f: backward all-reduce -> forward all-gather and its reduce-scatter.
+  assert (plain[("all-gather", "forward")] - head_gather +
+          plain[("reduce-scatter", "backward")] ==
+          dense[("all-reduce", "backward")] - clipnorm)
+  assert plain[("all-reduce", "backward")] == (
+      t * (2 * norms + 2 * blocks) * ring(tp_common.WIDTH * 4) + clipnorm)
 
 
 def test_layer_norm_runs_on_sequence_slices():

@@ -24,7 +24,8 @@ STEPS = 3
 # Bytes per device, and how many times the weights exceed it. Each
 # device's final share is at least 1/4 of the weights on 4 devices, so the
 # weights can be at most ~4x any budget; tensor 4 also keeps the replicated
-# weights whole on its head, a pipeline's stages are not equal.
+# weights whole on its head (on every device under spmd=True, which also
+# creates them spread first), a pipeline's stages are not equal.
 BUDGET = {"tensor4": (70_000, 3.0), "zero3_data4": (60_000, 3.6),
           "pipeline4": (80_000, 2.75), "pipeline2_tensor2": (70_000, 3.0)}
 

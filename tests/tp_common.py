@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfpar
+from tfpar.tensor_parallel.spmd import extended as spmd_extended
 
 VOCAB = 32
 SEQUENCE = 8
@@ -158,3 +159,11 @@ def assert_trains_like(model, losses, reference, reference_losses,
   for path in expected:
     np.testing.assert_allclose(actual[path], expected[path], atol=atol,
                                rtol=0, err_msg=path)
+
+
+def is_spmd(strategy):
+  """Whether `strategy` runs tensor parallelism as SPMD (`spmd=True`, or
+  the default under TFPAR_TEST_SPMD_DEFAULT=1) rather than the head
+  design."""
+  return isinstance(strategy.extended,
+                    spmd_extended.SpmdTensorParallelExtended)

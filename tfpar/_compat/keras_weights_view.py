@@ -51,6 +51,20 @@ def _holding():
     _state.holding = previous
 
 
+@contextlib.contextmanager
+def listing_whole():
+  """Within it, swapped layers' `trainable_weights` and
+  `non_trainable_weights` list the view too (what `summary` counts: one
+  variable holding a weight's shard on every device would count as the
+  shard)."""
+  previous = getattr(_state, "whole", False)
+  _state.whole = True
+  try:
+    yield
+  finally:
+    _state.whole = previous
+
+
 class _ShowsView:
   """Mixin: `weights` is the view, `*_weights` stay the held variables."""
 
@@ -63,11 +77,15 @@ class _ShowsView:
 
   @property
   def trainable_weights(self):
+    if getattr(_state, "whole", False):
+      return [w for w in self.weights if w.trainable]
     with _holding():
       return super().trainable_weights
 
   @property
   def non_trainable_weights(self):
+    if getattr(_state, "whole", False):
+      return [w for w in self.weights if not w.trainable]
     with _holding():
       return super().non_trainable_weights
 

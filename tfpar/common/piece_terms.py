@@ -60,6 +60,26 @@ def check_splittable(variable, split_axis):
       f"keep the weight whole (replicated) in the plan.")
 
 
+def check_activity_splittable(layer):
+  """Raises a ValueError if the activity regularizer of `layer`, whose
+  output is split over devices, is not a sum over elements.
+
+  Example:
+
+  >>> import keras
+  >>> from tfpar.common.piece_terms import check_activity_splittable
+  >>> check_activity_splittable(keras.layers.Dense(
+  ...     4, activity_regularizer=keras.regularizers.L1(0.1)))
+  """
+  regularizer = getattr(layer, "activity_regularizer", None)
+  if regularizer is not None and type(regularizer) not in _SUMS:
+    raise ValueError(
+        f"Layer {layer.name!r} has its output split over devices, but its "
+        f"activity_regularizer {type(regularizer).__name__} is not a sum "
+        f"over elements, so it cannot be computed piece by piece. Use L1, "
+        f"L2 or L1L2, or keep the layer whole (replicated) in the plan.")
+
+
 def carry_over(variable, pieces):
   """Gives each piece `variable`'s regularizer and constraint (checked
   with `check_splittable` before the split).

@@ -16,7 +16,9 @@ shapes one device has, on the model and on every layer holding shards:
 - `trainable_weights` / `non_trainable_weights`, and `variables` /
   `trainable_variables` / `non_trainable_variables`, keep listing the
   variables held (shards, local experts), the ones the trainer and the
-  optimizer use.
+  optimizer use;
+- the model's `summary` counts whole weights (under SPMD a split weight
+  is one variable of the shard's shape).
 """
 
 import numpy as np
@@ -105,10 +107,21 @@ def _set_weights(layer):
   return set_weights
 
 
+def _summary(model):
+  stock = model.summary
+
+  def summary(*args, **kwargs):
+    """Keras's summary, its parameter counts those of whole weights."""
+    with keras_weights_view.listing_whole():
+      return stock(*args, **kwargs)
+  return summary
+
+
 def install(model):
   """Makes Keras's weight API of `model` and of its layers that hold
   pieces of weights (tensor shards, local experts) give and take whole
-  weights: `weights`, `get_weights` / `set_weights` and `count_params`.
+  weights: `weights`, `get_weights` / `set_weights` and `count_params`,
+  and the model's `summary`.
 
   Args:
     model: a model whose layers were split (`shard_layers`, experts).
@@ -138,3 +151,6 @@ def install(model):
       object.__setattr__(layer, "get_weights", _get_weights(layer))
       object.__setattr__(layer, "set_weights", _set_weights(layer))
       keras_weights_view.show_weights_as(layer, whole)
+  if hasattr(model, "summary") and not hasattr(model, "_tfpar_summary"):
+    object.__setattr__(model, "_tfpar_summary", True)
+    object.__setattr__(model, "summary", _summary(model))

@@ -11,14 +11,12 @@
 import numpy as np
 from keras import ops
 
-from tfpar._compat import checkpointing
 from tfpar._compat import keras_layers
 from tfpar._compat import keras_optimizers
 from tfpar._compat.keras_modules import base_optimizer
-from tfpar._compat.tf_modules import data_structures
+from tfpar.common import optimizer_checkpoint
 from tfpar.common.clipping import clip_by_norm_of
 from tfpar.common.split_weights import logical_entries
-from tfpar.common.split_weights import LogicalTensor
 from tfpar.common.split_weights import sharded_weights
 from tfpar.engine import whole_state
 
@@ -76,33 +74,10 @@ def _install_logical_saving(optimizer, model):
 def _install_logical_checkpoint(optimizer, model):
   """tf.train.Checkpoint sees the optimizer's variable lists as an unsharded
   model's optimizer has them (whole weights, whole slots)."""
-  original_children = checkpointing.trackable_children(optimizer)
-  cache = {}  # Checkpointing needs the same objects on every call.
-
-  def logical_lists(children):
-    weights = sharded_weights(model)
-    key = (len(weights),) + tuple(
-        (name, id(child), len(child)) for name, child in children.items()
-        if isinstance(child, list))
-    if cache.get("key") != key:
-      cache.clear()
-      cache["key"] = key
-      cache["lists"] = {}
-      slots = {}
-      for name, child in children.items():
-        if isinstance(child, list):
-          entries = logical_entries(child, weights, slots)
-          if any(isinstance(e, LogicalTensor) for e in entries):
-            cache["lists"][name] = data_structures.ListWrapper(entries)
-    return cache["lists"]
-
-  def trackable_children(save_type="checkpoint", **kwargs):
-    children = dict(original_children(save_type, **kwargs))
-    if optimizer.built:
-      children.update(logical_lists(children))
-    return children
-
-  checkpointing.override_children(optimizer, trackable_children)
+  optimizer_checkpoint.install(
+      optimizer, lambda: len(sharded_weights(model)),
+      lambda items, slots: logical_entries(items, sharded_weights(model),
+                                           slots))
 
 
 def _shard_groups(model):

@@ -42,7 +42,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
     piece_terms.check_splittable(variable, variable_layout.axis)
     pieces = tf.split(tf.convert_to_tensor(variable.value), tensor_size,
                       variable_layout.axis)
-    _release_spread(variable)  # Its creation-time slices, once read.
+    release_spread(variable)  # Its creation-time slices, once read.
     shards = []
     for index, piece in enumerate(pieces):
       with shard_scope(index):
@@ -60,7 +60,7 @@ def shard_layer(layer_layout, tensor_size, shard_scope):
   return logical
 
 
-def _release_spread(variable):
+def release_spread(variable):
   """Frees the creation-time slices of a weight now held as shards."""
   storage = keras_layers.storage(variable)
   if hasattr(storage, "release"):

@@ -5,9 +5,11 @@ step per device of every tensor group.
 group: Keras's loss scaling, metrics and predict stay correct). What
 changes is how a replica runs:
 
-* every variable is mirrored over all `data x tensor` devices (replica
-  major); a split weight's component on the k-th device of every replica
-  holds shard k (`weights.py`), a replicated weight is the same everywhere;
+* a model's weights are created spread (`engine/spread.py`), laid out
+  when it is sharded; every variable is then mirrored over all `data x
+  tensor` devices (replica major): a split weight's component on the k-th
+  device of every replica holds shard k (`weights.py`), a replicated
+  weight is the same everywhere;
 * `_call_for_each_replica` hands each replica's inputs to every device of
   its group and traces the replica function once per device (replica
   threads whose replica id is the data replica, `_compat/spmd_run.py`);
@@ -30,6 +32,7 @@ from tfpar._compat.tf_modules import nest
 from tfpar._compat.tf_modules import values_lib
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
+from tfpar.engine import spread
 from tfpar.tensor_parallel import extended as tp_extended
 from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel.spmd import checks
@@ -39,6 +42,7 @@ from tfpar.tensor_parallel.spmd import layers as layers_lib
 from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
 from tfpar.tensor_parallel.spmd import sequence as sequence_lib
+from tfpar.tensor_parallel.spmd import terms
 from tfpar.tensor_parallel.spmd import weights as weights_lib
 from tfpar.tensor_parallel.spmd import zero_hooks
 
@@ -52,6 +56,14 @@ def _components(value):
   if isinstance(value, values_lib.DistributedValues):
     return value.values
   return (value,)
+
+
+def _materialize(model, strategy, skip=frozenset()):
+  """Lays out `model`'s weights still spread, but those in `skip` (paths),
+  whole on every device, one at a time."""
+  for variable in spread.pending_weights(model):
+    if variable.path not in skip:
+      spread.materialize(variable, strategy)
 
 
 class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
@@ -71,9 +83,11 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
     float32_sums: add partial sums in float32 under a mixed policy.
   """
 
-  # Replicated weights are created whole on every device.
-  spreads_weights = False
-  # ... where every trace uses them (`describe` lists them there).
+  # Weights are created spread over the tensor group (`engine/spread.py`),
+  # then laid out when the model is sharded: replicated ones whole on every
+  # device (where every trace uses them; `describe` lists them there),
+  # split ones as their shards.
+  spreads_weights = True
   replicated_on_every_device = True
 
   def __init__(self, container_strategy, mesh, plan,
@@ -99,7 +113,13 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
   # Variables: on every data x tensor device.
 
   def _create_variable(self, next_creator, **kwargs):
-    if kwargs.get("colocate_with") is None:
+    on_column = getattr(self._column, "index", None) is not None
+    # Not in a trace (a model built while a step runs, refused after it):
+    # spread slices have a component per replica there, not per device.
+    spreading = (spread.should_spread(kwargs) and
+                 collectives.current_slot() is None)
+    if (kwargs.get("colocate_with") is None and not on_column and
+        not spreading):
       kwargs["colocate_with"] = engine_extended.DeviceSet(
           self._groups.devices)
     return super()._create_variable(next_creator, **kwargs)
@@ -121,10 +141,20 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
       checks.check_layouts(already, self._sequence_parallel, model)
       strategy = self._container_strategy()
       paired = layers_lib.paired_layers(model, already)
+      terms.check(already, paired, self._sequence_parallel)
+      # Replicated weights first: until then every device holds 1/tensor
+      # of them, less than its final share (all of them).
+      split = {v.path for layout in already for v in layout.variables
+               if v.axis is not None}
+      _materialize(model, strategy, skip=split)
       for layout in already:
-        weights_lib.split_layer(layout, self.tensor_size, strategy)
+        with spread.creating_in_place():
+          weights_lib.split_layer(layout, self.tensor_size, strategy)
         layers_lib.install(layout, self._memo, paired)
         object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
+    # Weights of layers outside the layouts (a head added around a model
+    # sharded before) stay whole on every device.
+    _materialize(model, self._container_strategy())
     if self._sequence_parallel:
       sequence_lib.install(model, self._memo.slices)
     dropout_lib.install(model, already, self._memo)

@@ -40,6 +40,7 @@ from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import embeddings
+from tfpar.tensor_parallel.spmd import terms
 
 
 def _whole_shape(variable):
@@ -256,3 +257,5 @@ def install(layer_layout, memo, paired=()):
     _set_call(layer, _row(layer, memo, layer in paired))
   else:
     _set_call(layer, _column(layer, memo, layer in paired))
+  terms.sum_activity_terms(layer, memo, layer in paired and isinstance(
+      layer_layout.style, styles.ColumnParallel))

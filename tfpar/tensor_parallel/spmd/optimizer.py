@@ -1,6 +1,7 @@
 """What an SPMD tensor-parallel model's optimizer does differently.
 
-* Its checkpoints hold whole slots (`weights.adopt_optimizer`; under
+* Its checkpoints (Keras files, `tf.train.Checkpoint`) hold whole slots
+  (`weights.adopt_optimizer`; under
   `tfpar.ZeRO`, ZeRO's own, column by column: `zero_hooks.py`).
 * The gradients of replicated weights that are partial on each device
   (applied to sequence slices; key/value heads shared by several devices)

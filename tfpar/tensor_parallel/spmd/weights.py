@@ -15,12 +15,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar._compat import keras_layers
+from tfpar.common import optimizer_checkpoint
 from tfpar.common.split_weights import install_logical_saving
 from tfpar.common.split_weights import LogicalTensor
 from tfpar.common.split_weights import record_logical_weight
 from tfpar.common.split_weights import ShardedWeight
 from tfpar.engine import whole_state
 from tfpar.tensor_parallel import variables as variables_lib
+from tfpar.tensor_parallel.spmd import terms
 
 
 class ColumnPiece:
@@ -110,13 +112,15 @@ def split_layer(layer_layout, tensor_size, strategy):
     owner, variable = owners[variable_layout.path]
     pieces = np.split(np.asarray(variable.numpy()), tensor_size,
                       variable_layout.axis)
+    variables_lib.release_spread(variable)  # Its creation-time slices.
     with strategy.scope():
       local = keras.Variable(pieces[0], dtype=variable.dtype,
                              trainable=variable.trainable, name=variable.name)
     for index, component in enumerate(keras_layers.storage(local).values):
-      component.assign(pieces[index % tensor_size])
+      component.assign(pieces[index % tensor_size], read_value=False)
     keras_layers.set_path(local, variable.path)
     weight = SpmdWeight(variable_layout, local, tensor_size)
+    terms.carry_over(variable, weight, strategy.extended.tensor_groups)
     _replace(owner, variable, local, weight)
     created.append(weight)
   for owner in {owners[w.path][0] for w in created}:
@@ -151,29 +155,57 @@ def spmd_weights(model):
   return found
 
 
-def optimizer_entries(optimizer, model):
-  """`optimizer.variables` as an unsharded model's optimizer has them: the
-  slots of a split weight whole (`LogicalTensor`s over their columns)."""
+def whole_entries(items, model, slots=None):
+  """`items` (an optimizer's variables, or the model variables it tracks)
+  as an unsharded model's optimizer has them: a split weight whole (its
+  `SpmdWeight`), its slots whole (`LogicalTensor`s over their columns).
+
+  Args:
+    items: a list of variables.
+    model: the sharded model.
+    slots: memoizes the whole slots (by slot variable), so lists sharing
+      a slot share its `LogicalTensor`.
+
+  Returns:
+    The list, whole.
+  """
+  slots = {} if slots is None else slots
   weights = spmd_weights(model)
   prefixes = {w.path.replace("/", "_") + "_": w for w in weights.values()}
   entries = []
-  for item in optimizer.variables:
+  for item in items:
+    shard_of = getattr(item, "_tfpar_shard_of", None)
+    if isinstance(shard_of, tuple) and isinstance(shard_of[0], SpmdWeight):
+      entries.append(shard_of[0])
+      continue
     name = getattr(item, "name", "")
     weight = next((w for p, w in prefixes.items() if name.startswith(p) and
                    tuple(item.shape) == tuple(w.variable.shape)), None)
     if weight is None:
       entries.append(item)
       continue
-    t = len(weight.shards)
-    entries.append(LogicalTensor([ColumnPiece(item, k, t) for k in range(t)],
-                                 weight.axis))
+    if id(item) not in slots:
+      t = len(weight.shards)
+      slots[id(item)] = LogicalTensor(
+          [ColumnPiece(item, k, t) for k in range(t)], weight.axis)
+    entries.append(slots[id(item)])
   return entries
 
 
+def optimizer_entries(optimizer, model):
+  """`optimizer.variables` as an unsharded model's optimizer has them
+  (`whole_entries`)."""
+  return whole_entries(optimizer.variables, model)
+
+
 def adopt_optimizer(optimizer, model):
-  """Makes `optimizer` save and load whole slots (any layout loads them)."""
+  """Makes `optimizer` save and load whole slots (any layout loads them),
+  in Keras files and `tf.train.Checkpoint`s."""
   if getattr(optimizer, "_tfpar_adopted", False):
     return
   whole_state.save_whole_state(optimizer,
                                lambda: optimizer_entries(optimizer, model))
+  optimizer_checkpoint.install(
+      optimizer, lambda: len(spmd_weights(model)),
+      lambda items, slots: whole_entries(items, model, slots))
   object.__setattr__(optimizer, "_tfpar_adopted", True)
