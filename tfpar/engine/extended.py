@@ -24,7 +24,6 @@ from tfpar import batches
 from tfpar import keras_hooks
 from tfpar import timeouts as timeouts_lib
 from tfpar import watchdog
-from tfpar.engine import collector
 from tfpar._compat import keras_optimizer_hooks
 from tfpar._compat import runtime
 from tfpar._compat.tf_modules import collective_all_reduce_strategy
@@ -245,8 +244,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
 
   def _call_for_each_replica(self, fn, args, kwargs):
     self.prepare_pending_models()
-    with collector.outside_replica_threads():
-      result = super()._call_for_each_replica(fn, args, kwargs)
+    result = super()._call_for_each_replica(fn, args, kwargs)
     watchdog.touch()  # Tracing a step is not waiting for the peers.
     self.check_models_prepared()
     return result

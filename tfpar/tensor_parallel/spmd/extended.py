@@ -31,7 +31,6 @@ from tfpar._compat import spmd_run
 from tfpar._compat.tf_modules import nest
 from tfpar._compat.tf_modules import values_lib
 from tfpar.common import whole_weights
-from tfpar.engine import collector
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.tensor_parallel import extended as tp_extended
@@ -225,11 +224,10 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
            for index in range(len(self._groups.devices))]
     self._memo.clear()
     try:
-      with collector.outside_replica_threads():
-        result = spmd_run.run_on_devices(
-            self._container_strategy(), spmd_run.traceable(fn),
-            self._expand(args or ()), self._expand(kwargs or {}),
-            self._groups.devices, ids)
+      result = spmd_run.run_on_devices(
+          self._container_strategy(), spmd_run.traceable(fn),
+          self._expand(args or ()), self._expand(kwargs or {}),
+          self._groups.devices, ids)
     finally:
       self._memo.clear()
     watchdog.touch()
