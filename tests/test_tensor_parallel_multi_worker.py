@@ -75,9 +75,4 @@ def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, design):
                              reference.predict(px, verbose=0), atol=1e-5)
   # The whole optimizer state (under ZeRO: every worker's slices of every
   # tensor column, gathered) is one device's.
-  assert len(restored.optimizer.variables) == len(
-      reference.optimizer.variables)
-  for got, want in zip(restored.optimizer.variables,
-                       reference.optimizer.variables):
-    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5,
-                               rtol=0, err_msg=want.path)
+  tp_common.assert_same_optimizer_state(restored, reference)

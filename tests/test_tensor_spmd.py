@@ -232,12 +232,7 @@ def test_saved_weights_and_optimizer_state_are_whole_and_reload(runs, references
   loaded = keras.models.load_model(path, custom_objects={"Count": Count})
   for got, want in zip(loaded.get_weights(), reference.get_weights()):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-  assert len(loaded.optimizer.variables) == len(
-      reference.optimizer.variables)
-  for got, want in zip(loaded.optimizer.variables,
-                       reference.optimizer.variables):
-    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5,
-                               rtol=0, err_msg=want.path)
+  tp_common.assert_same_optimizer_state(loaded, reference)
 
 
 def test_unsupported_settings_raise_before_any_work():

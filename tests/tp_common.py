@@ -161,6 +161,17 @@ def assert_trains_like(model, losses, reference, reference_losses,
                                rtol=0, err_msg=path)
 
 
+def assert_same_optimizer_state(model, reference, atol=1e-5):
+  """`model`'s optimizer variables (whole, as loaded or restored) equal
+  `reference`'s, one for one, to `atol`."""
+  assert len(model.optimizer.variables) == len(
+      reference.optimizer.variables)
+  for got, want in zip(model.optimizer.variables,
+                       reference.optimizer.variables):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=atol,
+                               rtol=0, err_msg=want.path)
+
+
 def is_spmd(strategy):
   """Whether `strategy` runs tensor parallelism as SPMD (`spmd=True`, or
   the default under TFPAR_TEST_SPMD_DEFAULT=1) rather than the head
