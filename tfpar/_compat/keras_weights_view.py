@@ -41,28 +41,27 @@ _OBJECT_CLASS = object.__dict__["__class__"]  # object's own __class__ slot.
 
 
 @contextlib.contextmanager
-def _holding():
-  """Within it, swapped layers' `weights` list the variables they hold."""
-  previous = getattr(_state, "holding", False)
-  _state.holding = True
+def _flag(name):
+  """Within it, this thread's `_state.<name>` is True."""
+  previous = getattr(_state, name, False)
+  setattr(_state, name, True)
   try:
     yield
   finally:
-    _state.holding = previous
+    setattr(_state, name, previous)
 
 
-@contextlib.contextmanager
+def _holding():
+  """Within it, swapped layers' `weights` list the variables they hold."""
+  return _flag("holding")
+
+
 def listing_whole():
   """Within it, swapped layers' `trainable_weights` and
   `non_trainable_weights` list the view too (what `summary` counts: one
   variable holding a weight's shard on every device would count as the
   shard)."""
-  previous = getattr(_state, "whole", False)
-  _state.whole = True
-  try:
-    yield
-  finally:
-    _state.whole = previous
+  return _flag("whole")
 
 
 class _ShowsView:
