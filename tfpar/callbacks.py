@@ -11,7 +11,6 @@ of the optimizer state (and at stage 3 of the weights): every worker then
 takes part in gathering the whole tensors, and the chief writes them.
 """
 
-import gc
 import json
 
 import tensorflow as tf
@@ -92,14 +91,10 @@ class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
     self._batches_done = self._to_skip = self._steps_run = 0
     self._preemption = None
     keras_hooks.install_fit_preparation()  # For `finish_fit`.
+    # The next fit after an interrupted one collects its input iterators.
+    keras_hooks.install_run_hooks()
 
   def on_train_begin(self, logs=None):
-    # The input iterators of a fit that an exception interrupted in this
-    # process are garbage in reference cycles. Collected later, inside the
-    # replica threads that trace the train step, they stalled it for up to
-    # minutes (TensorFlow's multi-device iterator waited out its threads);
-    # collected here, on the main thread, they go in a fraction of a second.
-    gc.collect()
     super().on_train_begin(logs)
     self._batches_done = self._to_skip = self._steps_run = 0
     if self.save_before_preemption:

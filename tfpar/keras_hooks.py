@@ -17,6 +17,15 @@
   into micro-batches; data replicas need equal shares, `tfpar.batches`).
   Arrays without `batch_size` get Keras's 32; a `tf.data` pipeline is
   checked with its own batch size.
+* Input iterators of interrupted runs: when `fit`, `evaluate` or `predict`
+  raises after the strategy distributed its input
+  (`extended.datasets_distributed` moved), the input iterator sits in the
+  reference cycles of the exception's frames. Python's collector would
+  free it wherever it next ran, possibly inside a replica thread tracing
+  the next step, and destroying a tf.data iterator can wait seconds to
+  minutes on TensorFlow's input threads (measured in gdb). The next
+  `fit`, `evaluate` or `predict` collects it first, on the calling
+  thread.
 
 The optimizer's hooks (gradient accumulation, loss scaling) are in
 `tfpar._compat.keras_optimizer_hooks`.
@@ -25,6 +34,7 @@ The patches are installed once per process and are idempotent.
 """
 
 import functools
+import gc
 import inspect
 
 
@@ -115,24 +125,26 @@ def check_accumulation_steps(optimizer):
 _KERAS_DEFAULT_BATCH_SIZE = 32
 
 
-def install_batch_size_checks():
+def install_run_hooks():
   """Patches `fit`, `evaluate`, `predict` to let the strategy check the
-  batch size first."""
-  if "batch_size" in _installed:
+  batch size first, and to collect the input iterators of runs that
+  raised before the next run."""
+  if "run" in _installed:
     return
   for name in ("fit", "evaluate", "predict"):
-    _wrap_with_batch_size_check(name)
-  _installed.add("batch_size")
+    _wrap_run(name)
+  _installed.add("run")
 
 
-def _wrap_with_batch_size_check(name):
+def _wrap_run(name):
   original = getattr(tf_trainer.TensorFlowTrainer, name)
   signature = inspect.signature(original)
 
   @functools.wraps(original)
   def method(self, *args, **kwargs):
-    check = getattr(getattr(self.distribute_strategy, "extended", None),
-                    "check_batch_size", None)
+    _collect_interrupted_runs()
+    extended = getattr(self.distribute_strategy, "extended", None)
+    check = getattr(extended, "check_batch_size", None)
     if check is not None:
       bound = signature.bind_partial(self, *args, **kwargs).arguments
       batch_size, what = bound.get("batch_size"), "batch_size"
@@ -142,9 +154,24 @@ def _wrap_with_batch_size_check(name):
         batch_size = batches.dataset_batch_size(bound.get("x"))
         what = "the dataset's batch size"
       check(batch_size, what)
-    return original(self, *args, **kwargs)
+    distributed = getattr(extended, "datasets_distributed", None)
+    try:
+      return original(self, *args, **kwargs)
+    except BaseException:
+      if getattr(extended, "datasets_distributed", None) != distributed:
+        _interrupted_runs.add(name)  # Its input iterators await collection.
+      raise
 
   setattr(tf_trainer.TensorFlowTrainer, name, method)
+
+
+_interrupted_runs = set()
+
+
+def _collect_interrupted_runs():
+  if _interrupted_runs:
+    _interrupted_runs.clear()
+    gc.collect()
 
 
 def _is_array_like(x):

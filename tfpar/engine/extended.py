@@ -108,7 +108,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     self._init_column_reductions()
     self._column = threading.local()
     keras_hooks.install_model_registration()
-    keras_hooks.install_batch_size_checks()
+    keras_hooks.install_run_hooks()
     keras_optimizer_hooks.install_accumulation_without_merge_call()
     keras_optimizer_hooks.install_global_overflow_check()
     self._init_merge_free()
@@ -238,8 +238,13 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     (`fit`, `evaluate` and `predict` call it first; `tfpar.batches`)."""
     batches.check_even_split(batch_size, self._mesh.num_replicas, what)
 
+  # Counted so that `keras_hooks` knows a run that raised left input
+  # iterators for Python's collector.
+  datasets_distributed = 0
+
   def _experimental_distribute_dataset(self, dataset, options):
     self.prepare_pending_models()
+    self.datasets_distributed += 1
     return super()._experimental_distribute_dataset(dataset, options)
 
   def _call_for_each_replica(self, fn, args, kwargs):

@@ -55,7 +55,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     self.recompute = recompute
     self.plan = plan
     self._cutting = False
-    keras_hooks.install_batch_size_checks()
+    keras_hooks.install_run_hooks()
 
   @property
   def pipeline_size(self):
