@@ -185,7 +185,7 @@ def main(argv=None):
   strategies = {
       TP_NAME: tfpar.TensorParallelStrategy(
           tfpar.Mesh({"data": NUM_DEVICES // TENSOR, "tensor": TENSOR}),
-          plan=plan),
+          plan=plan, spmd=False),  # The design BENCHMARKS.md measured.
       DP_NAME: tfpar.DataParallelStrategy(tfpar.Mesh({"data": NUM_DEVICES})),
   }
   dataset = token_dataset(args)

@@ -65,16 +65,22 @@ def _short(device):
   return device.split("device:")[-1]
 
 
-def _placed_devices(model):
+def _placed_devices(model, tensor):
   """{logical path: the describe table's device cell}, from where the
-  variables (and their shards `<path>_shard<k>`) really are."""
+  variables (and their shards `<path>_shard<k>`) really are. Under SPMD a
+  split weight is one variable whose component on each device of a
+  tensor group (in device order) is that device's shard."""
   by_path = {v.path: [_short(c.device) for c in memory.components(v)]
              for v in whole_weights.held(model)}  # Shards, not whole.
+  split = _split_styles(model)
   cells = {}
   for path, devices in by_path.items():
     logical, _, shard = path.rpartition("_shard")
     if shard.isdigit():
       cells.setdefault(logical, []).append(f"{shard}: " + ",".join(devices))
+    elif path in split:
+      cells[path] = [f"{k}: " + ",".join(devices[k::tensor])
+                     for k in range(tensor)]
     else:
       cells[path] = [",".join(devices)]
   return {path: " | ".join(parts) for path, parts in cells.items()}
@@ -106,7 +112,8 @@ def test_plan_rules_shape_the_split_and_train_like_one_device(
       "head/kernel": ("ColumnParallel", 1),
       "head/bias": ("ColumnParallel", 0)}
   described = _described_devices(setup.strategy.describe(model, None))
-  assert described == _placed_devices(model)
+  assert described == _placed_devices(
+      model, setup.strategy.extended.mesh.shape["tensor"])
   assert described["head/kernel"] == head_devices
   losses = fit_losses(setup.strategy, setup.callbacks)
   np.testing.assert_allclose(losses, one_device_losses, atol=1e-5, rtol=0)

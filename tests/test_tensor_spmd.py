@@ -249,11 +249,17 @@ def test_unsupported_settings_raise_before_any_work():
   with pytest.raises(ValueError, match="spmd must be True or False"):
     tfpar.TensorParallelStrategy(tfpar.Mesh({"tensor": 4}), spmd="yes")
   x, y = tp_common.data("mlp", count=8)
-  with _strategy(layout).scope():
+  strategy = _strategy(layout)
+  with strategy.scope():
     model = tp_common.mlp()
     model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
-  with pytest.raises(ValueError, match="run_eagerly"):
-    model.fit(x, y, batch_size=8, verbose=0)
+  for run in (model.fit, model.evaluate):
+    with pytest.raises(ValueError, match=r"run_eagerly=True on model .*"
+                       r"spmd=False"):
+      run(x, y, batch_size=8, verbose=0)
+  assert not model.optimizer.built  # Refused before any work.
+  with pytest.raises(ValueError, match=r"eager strategy.run.*spmd=False"):
+    strategy.run(lambda: 1.0)
 
 
 def _mixed_run(policy, strategy=None):

@@ -173,8 +173,8 @@ def assert_same_optimizer_state(model, reference, atol=1e-5):
 
 
 def is_spmd(strategy):
-  """Whether `strategy` runs tensor parallelism as SPMD (`spmd=True`, or
-  the default under TFPAR_TEST_SPMD_DEFAULT=1) rather than the head
+  """Whether `strategy` runs tensor parallelism as SPMD (`spmd=True`, the
+  default unless TFPAR_TEST_SPMD_DEFAULT=0) rather than the head
   design."""
   return isinstance(strategy.extended,
                     spmd_extended.SpmdTensorParallelExtended)

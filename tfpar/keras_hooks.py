@@ -11,9 +11,11 @@
   (`tfpar.ZeRO`) cannot do it from the callback API. `fit` calls
   `callback.prepare_fit(model)` on every callback that has it, first.
 
-* Batch size checks: `fit`, `evaluate` and `predict` call
+* Run checks: `fit`, `evaluate` and `predict` call
+  `strategy.extended.check_run(model)` (a setting the strategy cannot
+  run, such as `run_eagerly=True` under SPMD tensor parallelism) and
   `strategy.extended.check_batch_size(batch_size)` when the model's
-  strategy has it, before any work (a pipeline needs batches that split
+  strategy has them, before any work (a pipeline needs batches that split
   into micro-batches; data replicas need equal shares, `tfpar.batches`).
   Arrays without `batch_size` get Keras's 32; a `tf.data` pipeline is
   checked with its own batch size.
@@ -144,6 +146,9 @@ def _wrap_run(name):
   def method(self, *args, **kwargs):
     _collect_interrupted_runs()
     extended = getattr(self.distribute_strategy, "extended", None)
+    check_run = getattr(extended, "check_run", None)
+    if check_run is not None:
+      check_run(self)
     check = getattr(extended, "check_batch_size", None)
     if check is not None:
       bound = signature.bind_partial(self, *args, **kwargs).arguments

@@ -36,21 +36,23 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       Mirrored's spread from one device) or `"compute"` (the compute dtype,
       as Megatron-LM: half those bytes, each device rounding its partial
       sums before they are added). No effect under `float32`.
-    spmd: run every device of a tensor group as its own trace of the step
-      (replicated work on every device, the tensor-parallel all-reduces,
-      reduce-scatters and all-gathers as collectives among the group)
-      instead of the group's first device running the replicated work
-      (docs/tensor_parallel_spmd.md). Models of Dense, EinsumDense,
-      MultiHeadAttention, Embedding, ReversibleEmbedding and keras-hub
-      attention layers, any Keras policy, clipping and gradient
-      accumulation, on one host or across workers (each tensor group on
-      one worker), `sequence_parallel` for stock layers and keras-hub
-      blocks; other settings
-      raise `ValueError`.
+    spmd: True (the default): every device of a tensor group traces its
+      own copy of the step and computes the replicated work itself
+      (LayerNorms, residual adds, dropout, the loss); the tensor-parallel
+      all-reduces, reduce-scatters and all-gathers are collectives among
+      the group, each device moving the ring's 2(t-1)/t share
+      (docs/tensor_parallel_spmd.md). False: the replica-head design,
+      where each data replica's first device runs the replicated work and
+      partial sums are reduced onto it and broadcast back
+      (docs/tensor_parallel.md); the design `PipelineParallelStrategy`'s
+      and `ExpertParallelStrategy`'s tensor groups use, and the one that
+      runs `run_eagerly=True`.
 
   Raises:
     ValueError: the mesh has a pipeline axis, a bad plan or
-      communication_dtype, or a setting `spmd=True` does not support.
+      communication_dtype, or a setting the chosen design does not
+      support (docs/tensor_parallel_spmd.md lists what `spmd=True`
+      refuses, such as `run_eagerly=True`).
 
   Example:
 
@@ -70,7 +72,7 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
 
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,
                communication_options=None, communication_dtype="float32",
-               spmd=False):
+               spmd=True):
     if not isinstance(spmd, bool):
       raise ValueError(f"spmd must be True or False. Received: spmd={spmd!r}")
     if not isinstance(sequence_parallel, bool):

@@ -39,6 +39,22 @@ def check_strategy(mesh):
           f"each worker's device count, or use spmd=False.")
 
 
+EAGER_REFUSAL = (
+    "TensorParallelStrategy(spmd=True) runs replica functions traced (each "
+    "device of a tensor group traces its own copy, and their collectives "
+    "cannot run one after another eagerly)")
+
+
+def check_run(model):
+  """Refuses a model compiled with `run_eagerly=True` as `fit`, `evaluate`
+  or `predict` starts (`keras_hooks` calls it), before any work."""
+  if model.run_eagerly:
+    raise ValueError(
+        f"{EAGER_REFUSAL}. Received: run_eagerly=True on model "
+        f"{model.name!r}; compile with run_eagerly=False, or use "
+        f"TensorParallelStrategy(..., spmd=False) to run eagerly.")
+
+
 def check_model(model, sequence_parallel):
   """Refuses models the SPMD layers cannot compute exactly.
 

@@ -209,15 +209,15 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
       return value
     return nest.map_structure(collapse, structure)
 
+  check_run = staticmethod(checks.check_run)
+
   def _call_for_each_replica(self, fn, args, kwargs):
     self.prepare_pending_models()
     if tf.executing_eagerly():
       raise ValueError(
-          "TensorParallelStrategy(spmd=True) runs replica functions traced "
-          "(each device of a tensor group traces its own copy, and their "
-          "collectives cannot run one after another eagerly). Received: an "
-          "eager strategy.run (run_eagerly=True?); compile with "
-          "run_eagerly=False or call strategy.run inside a tf.function.")
+          f"{checks.EAGER_REFUSAL}. Received: an eager strategy.run; call "
+          f"it inside a tf.function, or use TensorParallelStrategy(..., "
+          f"spmd=False).")
     t = self.tensor_size
     ids = [spmd_run.DeviceReplicaId(self._first_replica + index // t, index,
                                     index % t)
