@@ -1,14 +1,17 @@
 """The input iterators of a `fit` that raised are freed on the calling
 thread before the next run starts, not left to Python's collector (which
 could free them inside a replica thread tracing the next step, where
-TensorFlow's multi-device iterator stalled the trace for minutes)."""
+destroying TensorFlow's multi-device iterator stalled the trace for
+minutes)."""
 
 import gc
+import weakref
 
 import keras
 import pytest
 
 import dp_common
+from keras.src.backend.tensorflow import trainer as tf_trainer
 from zero_common import data_parallel
 
 
@@ -19,34 +22,46 @@ class _Interrupt(keras.callbacks.Callback):
       raise RuntimeError("interrupted")
 
 
-def _epoch_iterators():
-  return [o for o in gc.get_objects()
-          if type(o).__name__ == "TFEpochIterator"]
+@pytest.fixture
+def alive_epoch_iterators(monkeypatch):
+  """How many of the Keras epoch iterators made since are alive."""
+  made = []
+  init = tf_trainer.TFEpochIterator.__init__
+
+  def recording_init(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    made.append(weakref.ref(self))
+  monkeypatch.setattr(tf_trainer.TFEpochIterator, "__init__", recording_init)
+  return lambda: sum(ref() is not None for ref in made)
 
 
 class _CountIterators(keras.callbacks.Callback):
-  """Records how many Keras epoch iterators are alive as the run begins
-  (the run's own is one)."""
+  """Records how many epoch iterators are alive as the run begins (the
+  run's own is one)."""
+
+  def __init__(self, count):
+    super().__init__()
+    self.count = count
 
   def on_train_begin(self, logs=None):
-    self.alive = len(_epoch_iterators())
+    self.alive = self.count()
 
   on_test_begin = on_train_begin
 
 
 @pytest.mark.parametrize("method", ["fit", "evaluate"])
-def test_the_next_run_frees_the_interrupted_runs_iterators(method):
+def test_the_next_run_frees_the_interrupted_runs_iterators(
+    method, alive_epoch_iterators):
   with data_parallel().scope():
     model = dp_common.build_model()
   x, y = dp_common.make_data()
-  gc.collect()
   gc.disable()  # Only tfpar may collect the interrupted run's garbage.
   try:
     with pytest.raises(RuntimeError, match="interrupted"):
       model.fit(x, y, batch_size=dp_common.GLOBAL_BATCH,
                 callbacks=[_Interrupt()], verbose=0)
-    assert len(_epoch_iterators()) == 1  # In the exception's cycle.
-    counter = _CountIterators()
+    assert alive_epoch_iterators() == 1  # In the exception's cycles.
+    counter = _CountIterators(alive_epoch_iterators)
     kwargs = {"epochs": 1} if method == "fit" else {}
     getattr(model, method)(x, y, batch_size=dp_common.GLOBAL_BATCH,
                            callbacks=[counter], verbose=0, **kwargs)

@@ -26,6 +26,7 @@ import tensorflow as tf
 import hub_common
 import precision_common
 import stock_strategies
+import suite_scope
 import tfpar
 import tp_common
 
@@ -34,6 +35,11 @@ STEPS = 8
 CASES = [({"data": 2, "tensor": 2}, "adam", False),
          ({"data": 1, "tensor": 4}, "sgd", False),
          ({"data": 2, "tensor": 2}, "adam", True)]
+# Tensor 4 and sequence parallelism with TFPAR_TEST_FULL=1:
+# test_tensor_parallel trains the GPT on data 1 x tensor 4 and
+# test_tensor_parallel_sequence with sequence parallelism, both under SPMD
+# (the default), with the same per-device collective checks.
+TRAINED = suite_scope.cases([0], [1, 2])
 
 
 class Count(keras.metrics.Metric):
@@ -99,7 +105,8 @@ def runs():
   return run
 
 
-@pytest.mark.parametrize("layout,optimizer,sequence_parallel", CASES,
+@pytest.mark.parametrize("layout,optimizer,sequence_parallel",
+                         [CASES[case] for case in TRAINED],
                          ids=lambda c: str(c))
 def test_trains_like_one_device(references, runs, layout, optimizer,
                                 sequence_parallel):
@@ -140,7 +147,8 @@ def test_split_weights_hold_their_shard_on_every_device(runs):
     np.testing.assert_array_equal(component.numpy(), shards[index % 2])
 
 
-@pytest.mark.parametrize("case", [0, 1], ids=["2x2", "1x4"])
+@pytest.mark.parametrize("case", [c for c in TRAINED if c < 2],
+                         ids=lambda c: ["2x2", "1x4"][c])
 def test_each_device_sends_the_ring_share(runs, case):
   layout, optimizer, _ = CASES[case]
   _, _, _, log = runs(layout, optimizer)
@@ -161,8 +169,9 @@ def test_each_device_sends_the_ring_share(runs, case):
       assert sorted(phases) == ["backward"] * 2 + ["forward"] * 4
 
 
-def test_sequence_parallel_moves_slices(runs):
-  layout, optimizer, _ = CASES[2]
+@pytest.mark.parametrize("case", [c for c in TRAINED if c == 2])
+def test_sequence_parallel_moves_slices(runs, case):
+  layout, optimizer, _ = CASES[case]
   _, _, _, log = runs(layout, optimizer, True)
   t = 2
   activation = tp_common.BATCH // 2 * tp_common.SEQUENCE * tp_common.WIDTH * 4
@@ -273,9 +282,11 @@ def _mixed_run(policy, strategy=None):
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("policy,layout,sequence_parallel", [
-    ("mixed_bfloat16", {"data": 2, "tensor": 2}, False),
-    ("mixed_float16", {"data": 1, "tensor": 2}, True)])
+# data 2 x tensor 2 under mixed_bfloat16 with TFPAR_TEST_FULL=1: the
+# precision matrix's data 2 x tensor 2 rows run it by default.
+@pytest.mark.parametrize("policy,layout,sequence_parallel", suite_scope.cases(
+    [("mixed_float16", {"data": 1, "tensor": 2}, True)],
+    [("mixed_bfloat16", {"data": 2, "tensor": 2}, False)]))
 def test_mixed_policy_within_mirrored_spread(policy, layout,
                                              sequence_parallel):
   # Partial sums cross in float32 and are rounded once (the default
@@ -311,13 +322,18 @@ def test_describe_lists_replicated_weights_on_every_device(runs):
 # accumulation settings.
 _HUB = dict(vocabulary_size=hub_common.VOCAB, num_layers=1, hidden_dim=16,
             intermediate_dim=32)
-HUB_CASES = [
-    ("gpt2", {"data": 2, "tensor": 2},
-     lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.05,
-                                  gradient_accumulation_steps=2)),
-    ("llama", {"data": 1, "tensor": 4},
-     lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.2)),
-]
+# GPT-2 with TFPAR_TEST_FULL=1: test_keras_hub trains it on data 2 x
+# tensor 2 (SPMD by default) and test_gradient_accumulation accumulates
+# under tensor parallelism.
+HUB_CASES = suite_scope.cases(
+    [pytest.param("llama", {"data": 1, "tensor": 4},
+                  lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.2),
+                  id="llama-1x4-gqa-global_clipnorm")],
+    [pytest.param("gpt2", {"data": 2, "tensor": 2},
+                  lambda: keras.optimizers.SGD(0.1, momentum=0.9,
+                                               clipnorm=0.05,
+                                               gradient_accumulation_steps=2),
+                  id="gpt2-2x2-clipnorm-accumulate")])
 
 
 def _hub_model(family, **overrides):
@@ -344,9 +360,7 @@ def _hub_fit(family, optimizer, strategy=None):
   return model, tp_common.step_losses(model, x, y, epochs=1)
 
 
-@pytest.mark.parametrize("family,layout,optimizer", HUB_CASES,
-                         ids=["gpt2-2x2-clipnorm-accumulate", "llama-1x4-gqa-"
-                              "global_clipnorm"])
+@pytest.mark.parametrize("family,layout,optimizer", HUB_CASES)
 def test_keras_hub_backbone_trains_like_one_device(family, layout, optimizer):
   reference, reference_losses = _hub_fit(family, optimizer)
   strategy = _strategy(layout)

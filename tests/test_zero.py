@@ -129,13 +129,16 @@ def tensor_parallel_reference():
   return reference, tp_common.step_losses(reference, x, y)
 
 
-@pytest.mark.parametrize("stage", STAGES)
+# The head design (spmd=False), which the pipeline's tensor stages use;
+# test_tensor_spmd_zero runs stages 1-3 under the default SPMD design.
+# Stage 2 with TFPAR_TEST_FULL=1: test_three_d runs it with the pipeline.
+@pytest.mark.parametrize("stage", suite_scope.cases([1, 3], [2]))
 def test_under_tensor_parallelism_slices_each_shard(
     stage, tensor_parallel_reference):
   reference, expected = tensor_parallel_reference
   x, y = tp_common.data("mlp")
   strategy = tfpar.TensorParallelStrategy(
-      tfpar.Mesh({"data": 2, "tensor": 2}))
+      tfpar.Mesh({"data": 2, "tensor": 2}), spmd=False)
   with strategy.scope():
     model = tp_common.compile_model(tp_common.mlp(), clipnorm=0.05)
   losses = tp_common.step_losses(model, x, y,
