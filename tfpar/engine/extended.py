@@ -25,7 +25,6 @@ from tfpar import keras_hooks
 from tfpar import timeouts as timeouts_lib
 from tfpar import watchdog
 from tfpar._compat import keras_optimizer_hooks
-from tfpar._compat import runtime
 from tfpar._compat.tf_modules import collective_all_reduce_strategy
 from tfpar._compat.tf_modules import nest
 from tfpar._compat.tf_modules import values_lib
@@ -33,6 +32,7 @@ from tfpar.engine import bfloat16_gather
 from tfpar.engine import column_reductions
 from tfpar.engine import merge_free
 from tfpar.engine import prepared_models
+from tfpar.engine import setup_checks
 from tfpar.engine import spread
 
 # Each strategy instance needs its own collective keys (two instances that
@@ -62,28 +62,6 @@ class DeviceSet:
     self._devices = tuple(devices)
 
 
-def _reuse_running_server(extended, layout):
-  """Lets a second multi-worker strategy of this process run on the server
-  the first one started (TF would restart the collectives runtime, and the
-  new strategy's first collective would never complete on any worker);
-  refuses a cluster or task other than the one that server serves."""
-  running = runtime.collective_server_def()
-  if running is None:
-    return
-  wanted = tf.train.ClusterSpec(layout.cluster_spec).as_cluster_def()
-  if (running.cluster != wanted or running.job_name != layout.task_type or
-      running.task_index != layout.task_id):
-    was = tf.train.ClusterSpec(running.cluster).as_dict()
-    raise ValueError(
-        f"This process already runs TensorFlow's collective server as task "
-        f"'{running.job_name}:{running.task_index}' of {was}; a strategy for "
-        f"task '{layout.task_type}:{layout.task_id}' of "
-        f"{layout.cluster_spec} needs another process (TensorFlow serves one "
-        f"cluster per process). Keep TF_CONFIG the same for every strategy "
-        f"of a process.")
-  runtime.keep_running_server(extended)
-
-
 class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
                    prepared_models.PreparedModels,
                    column_reductions.ColumnReductions,
@@ -101,8 +79,8 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
   """
 
   def __init__(self, container_strategy, mesh, communication_options=None):
-    _check_replicas_inside_workers(mesh)
-    _check_not_tpu(mesh)
+    setup_checks.check_replicas_inside_workers(mesh)
+    setup_checks.check_not_tpu(mesh)
     self._mesh = mesh
     self._init_prepared_models()
     self._init_column_reductions()
@@ -122,7 +100,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
       timeouts_lib.configure_coordination(mesh.cluster, self.timeouts)
       watchdog.install()
     if mesh.cluster is not None:  # TF_CONFIG jobs, even of a single task.
-      _reuse_running_server(self, mesh.cluster)
+      setup_checks.reuse_running_server(self, mesh.cluster)
       try:
         super().__init__(container_strategy,
                          cluster_resolver=mesh.cluster.cluster_resolver(),
@@ -284,25 +262,3 @@ def _tf_config_hidden():
   finally:
     if saved is not None:
       os.environ["TF_CONFIG"] = saved
-
-
-def _check_replicas_inside_workers(mesh):
-  if not mesh.is_multi_worker:
-    return
-  per_worker = mesh.cluster.devices_per_task
-  if per_worker % mesh.replica_size:
-    raise ValueError(
-        f"Each replica spans pipeline x tensor = {mesh.replica_size} devices "
-        f"but each worker has {per_worker}: a replica would cross workers, "
-        f"which this strategy does not support. Use pipeline x tensor that "
-        f"divides {per_worker} and put the workers on the 'data' axis.")
-
-
-def _check_not_tpu(mesh):
-  # Soft placement would silently run a TPU mesh's "TPU" work on the CPU.
-  if mesh.device_assignment is not None:
-    raise ValueError(
-        f"{mesh!r} is a TPU mesh; tfpar's strategies have not run on TPU "
-        f"cores yet. Use tfpar.tpu.tpu_strategy(mesh) for a TPUStrategy with "
-        f"the mesh's device assignment (replicas span pipeline x tensor "
-        f"logical cores).")

@@ -283,7 +283,8 @@ def install(layer_layout, group, sequence_parallel=False,
   """
   if layer_layout.kind in (layouts.ATTENTION, layouts.HEADS):
     from tfpar.tensor_parallel import heads  # pylint: disable=g-import-not-at-top
-    builder = (heads.multi_head_attention
+    from tfpar.tensor_parallel import stock_attention  # pylint: disable=g-import-not-at-top
+    builder = (stock_attention.multi_head_attention
                if layer_layout.kind == layouts.ATTENTION else heads.replay)
   else:
     builder = _BUILDERS[(layer_layout.kind, type(layer_layout.style))]

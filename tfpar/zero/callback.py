@@ -7,6 +7,7 @@ import keras
 from tfpar import keras_hooks
 from tfpar.zero import checkpoint
 from tfpar.zero import collectives
+from tfpar.zero import shardable
 from tfpar.zero import sharded_optimizer
 from tfpar.zero import sharded_weights
 
@@ -132,7 +133,7 @@ class ZeRO(keras.callbacks.Callback):
     # A LossScaleOptimizer (mixed_float16) keeps its scale whole; the
     # optimizer it wraps is sharded.
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    sharded_optimizer.check_shardable(inner, strategy)
+    shardable.check_shardable(inner, strategy)
     state = getattr(model, "_tfpar_zero_weights", None)
     if state is not None:  # Sliced when built (`prepare_weights`).
       if self.stage != 3:

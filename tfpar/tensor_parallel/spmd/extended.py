@@ -15,8 +15,9 @@ changes is how a replica runs:
   threads whose replica id is the data replica, `_compat/spmd_run.py`);
   the traces communicate by collectives among the group (`collectives.py`);
 * gradients (one per device) are all-reduced over the data replicas within
-  each tensor column: shard k's over the k-th devices, a replicated
-  weight's copies alike on every column (they are equal by construction);
+  each tensor column (`reductions.py`): shard k's over the k-th devices, a
+  replicated weight's copies alike on every column (they are equal by
+  construction);
 * values leaving a replica (losses, metrics, predictions) are taken from
   the first device of each group, and cross-replica reads of metric
   variables count each data replica once.
@@ -25,7 +26,6 @@ changes is how a replica runs:
 import tensorflow as tf
 
 from tfpar import watchdog
-from tfpar._compat import distribute
 from tfpar._compat import keras_layers
 from tfpar._compat import spmd_run
 from tfpar._compat.tf_modules import nest
@@ -41,6 +41,7 @@ from tfpar.tensor_parallel.spmd import dropout as dropout_lib
 from tfpar.tensor_parallel.spmd import layers as layers_lib
 from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
+from tfpar.tensor_parallel.spmd import reductions
 from tfpar.tensor_parallel.spmd import sequence as sequence_lib
 from tfpar.tensor_parallel.spmd import terms
 from tfpar.tensor_parallel.spmd import weights as weights_lib
@@ -50,12 +51,6 @@ from tfpar.tensor_parallel.spmd import zero_hooks
 def _is_values(value):
   return isinstance(value, values_lib.DistributedValues) and not isinstance(
       value, tf.Variable)
-
-
-def _components(value):
-  if isinstance(value, values_lib.DistributedValues):
-    return value.values
-  return (value,)
 
 
 def _materialize(model, strategy, skip=frozenset()):
@@ -68,6 +63,7 @@ def _materialize(model, strategy, skip=frozenset()):
 
 class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
                                  zero_hooks.ZeroHooks,
+                                 reductions.PerDeviceReductions,
                                  tp_extended.TensorParallelExtended):
   """The logic of `tfpar.TensorParallelStrategy(..., spmd=True)`.
 
@@ -193,12 +189,6 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
       return values_lib.PerReplica(tuple(components))
     return nest.map_structure(expand, structure)
 
-  def _is_per_device(self, value):
-    """Whether `value` has one component per data x tensor device."""
-    return (self.tensor_size > 1 and
-            isinstance(value, values_lib.DistributedValues) and
-            len(value.values) == len(self._groups.devices))
-
   def _collapse(self, structure):
     """Per-device results as per-replica ones: each group's first device."""
     t = self.tensor_size
@@ -233,69 +223,3 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
     watchdog.touch()
     self.check_models_prepared()
     return self._collapse(result)
-
-  # Reductions: within each tensor column, over the data replicas.
-
-  def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
-    """Without merge_call (gradient accumulation's update micro-step), a
-    trace all-reduces over the data replicas within its tensor column."""
-    slot = collectives.current_slot()
-    if slot is None or not self.merge_free_active():
-      return super()._replica_ctx_all_reduce(reduce_op, value, options)
-    flat = nest.flatten(value)
-    column = slot.tensor_index
-    ops = (self._cross_device_ops if column == 0 else
-           self.column_cross_device_ops(column))
-    options = self._communication_options.merge(
-        options or tf.distribute.experimental.CommunicationOptions())
-    reduced = distribute.all_reduce(ops, reduce_op, flat,
-                                    slot.device_index // self.tensor_size,
-                                    options)
-    return nest.pack_sequence_as(value, list(reduced))
-
-  def _column_values(self, value, column):
-    """The components of per-device `value` on the `column`-th device of
-    every group (variables read), as per-replica values."""
-    t = self.tensor_size
-    return values_lib.PerReplica(tuple(
-        tf.convert_to_tensor(v) if isinstance(v, tf.Variable) else v
-        for v in value.values[column::t]))
-
-  def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-    if not value_destination_pairs or not all(
-        self._is_per_device(v) for v, _ in value_destination_pairs):
-      return super()._batch_reduce_to(reduce_op, value_destination_pairs,
-                                      options)
-    t = self.tensor_size
-    to_every_device = [
-        isinstance(d, values_lib.DistributedValues) and
-        len(d.values) == len(self._groups.devices)
-        for _, d in value_destination_pairs]
-    if not all(to_every_device):
-      return [self._reduce_to(reduce_op, v, d, options)
-              for v, d in value_destination_pairs]
-    pairs = []
-    for column in range(t):
-      for value, _ in value_destination_pairs:
-        part = self._column_values(value, column)
-        pairs.append((part, part))
-    reduced = super()._batch_reduce_to(reduce_op, pairs, options)
-    count = len(value_destination_pairs)
-    results = []
-    for index in range(count):
-      columns = [_components(reduced[column * count + index])
-                 for column in range(t)]
-      results.append(values_lib.Mirrored(tuple(
-          columns[k][d] for d in range(len(self._groups.groups))
-          for k in range(t))))
-    return results
-
-  def _reduce_to(self, reduce_op, value, destinations, options):
-    if not self._is_per_device(value):
-      return super()._reduce_to(reduce_op, value, destinations, options)
-    if (isinstance(destinations, values_lib.DistributedValues) and
-        len(destinations.values) == len(self._groups.devices)):
-      return self._batch_reduce_to(reduce_op, [(value, destinations)],
-                                   options)[0]
-    return super()._reduce_to(reduce_op, self._column_values(value, 0),
-                              destinations, options)

@@ -121,6 +121,9 @@ def _shared_head(dense, memo, sharers, rotated=None):
   the rotated key (`rotated` records it for `_sum_rotated_key`)."""
   def call(inputs, training=None):
     del training
+    # Marked as traced, so the mark names the variables the step uses
+    # (ZeRO-3 gives the kernel sliced storage after the model is sharded).
+    memo.mark_partial(dense.weights)
     slot = collectives.current_slot()
     index = 0 if slot is None else slot.tensor_index
     wide = memo.wide(dense)
@@ -175,7 +178,6 @@ def _install_heads(layer_layout, memo):
     elif role in ("key", "value") and sharers > 1:
       _set_call(dense, _shared_head(dense, memo, sharers,
                                     rotated if role == "key" else None))
-      memo.mark_partial(dense.weights)
     else:
       _set_call(dense, _column(dense, memo))
   original = type(layer).call.__get__(layer)
