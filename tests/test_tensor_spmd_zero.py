@@ -34,11 +34,13 @@ PER_WEIGHT = dict(clipnorm=0.02, gradient_accumulation_steps=2)
 GLOBAL = dict(global_clipnorm=0.1)
 # (stage, offload) -> its settings; runs of equal settings share their
 # one-device reference.
-CASES = {(1, None): PER_WEIGHT, (2, None): GLOBAL, (3, None): GLOBAL,
-         (1, "cpu"): PER_WEIGHT}
+CASES = {(1, None): PER_WEIGHT, (2, None): GLOBAL, (3, None): GLOBAL}
 # TFPAR_TEST_FULL=1 adds stage 3 under sequence parallelism (its calls
-# are not recomputed there) and offload at stage 3.
-EXTRA = {(3, None, "sequence"): GLOBAL, (3, "cpu"): GLOBAL}
+# are not recomputed there) and offload at stages 1 and 3 (test_zero and
+# the precision matrix offload under data parallelism: the same host
+# update).
+EXTRA = {(3, None, "sequence"): GLOBAL, (1, "cpu"): PER_WEIGHT,
+         (3, "cpu"): GLOBAL}
 CASES.update({c: EXTRA[c] for c in suite_scope.cases([], EXTRA)})
 IDS = ["-".join(str(part) for part in case if part) for case in CASES]
 
