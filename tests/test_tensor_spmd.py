@@ -282,8 +282,9 @@ def _mixed_run(policy, strategy=None):
     keras.mixed_precision.set_global_policy("float32")
 
 
-# data 2 x tensor 2 under mixed_bfloat16 with TFPAR_TEST_FULL=1: the
-# precision matrix's data 2 x tensor 2 rows run it by default.
+# data 2 x tensor 2 under mixed_bfloat16 with TFPAR_TEST_FULL=1:
+# test_keras_hub_precision trains Llama ten steps so (SPMD, the default),
+# and the precision matrix this GPT with compute-dtype sums.
 @pytest.mark.parametrize("policy,layout,sequence_parallel", suite_scope.cases(
     [("mixed_float16", {"data": 1, "tensor": 2}, True)],
     [("mixed_bfloat16", {"data": 2, "tensor": 2}, False)]))
