@@ -7,11 +7,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import suite_scope
 import tfpar
 import tp_common
 
-LAYOUTS = [{"data": 2, "tensor": 2}, {"data": 1, "tensor": 4}]
-IDS = ["data2xtensor2", "data1xtensor4"]
+# Tensor 4 with TFPAR_TEST_FULL=1: test_tensor_spmd_sequence trains
+# keras-hub Llama on data 1 x tensor 4 with sequence parallelism under
+# SPMD (the default), with the same per-device byte checks.
+LAYOUTS = suite_scope.cases([{"data": 2, "tensor": 2}],
+                            [{"data": 1, "tensor": 4}])
+IDS = ["data2xtensor2", "data1xtensor4"][:len(LAYOUTS)]
 
 
 @pytest.fixture(scope="module")
