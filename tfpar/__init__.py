@@ -21,7 +21,7 @@ _EXPORTS = {
     "DataParallelStrategy": "tfpar.data_parallel",
     "ExpertParallelStrategy": "tfpar.expert_parallel",
     "Mesh": "tfpar.mesh",
-    "MeshAxis": "tfpar.mesh",
+    "MeshAxis": "tfpar.mesh_axes",
     "ModelCheckpoint": "tfpar.callbacks",
     "MoE": "tfpar.expert_parallel.moe_layer",
     "PipelineParallelStrategy": "tfpar.pipeline",

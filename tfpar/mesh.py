@@ -13,24 +13,16 @@ so a tensor group is a run of consecutive devices of one worker (its fast
 interconnect) and only `data` and `pipeline` cross workers.
 """
 
-import enum
 import types
 
 import numpy as np
 
 from tfpar import cluster as cluster_lib
 from tfpar import local_devices
-
-
-class MeshAxis(str, enum.Enum):
-  """The names of mesh axes, outermost first."""
-
-  DATA = "data"
-  PIPELINE = "pipeline"
-  TENSOR = "tensor"
-
-
-AXES = tuple(axis.value for axis in MeshAxis)
+from tfpar.mesh_axes import AXES
+from tfpar.mesh_axes import resolve_sizes
+from tfpar.mesh_axes import SizeMismatch
+from tfpar.mesh_axes import axis_position
 
 
 class Mesh:
@@ -184,7 +176,7 @@ class Mesh:
     Returns:
       A tuple of device tuples; each group is ordered by its index on `axis`.
     """
-    position = _axis_position(axis)
+    position = axis_position(axis)
     moved = np.moveaxis(self._array, position, -1)
     return tuple(tuple(g) for g in moved.reshape(-1, self._shape[axis]))
 
@@ -265,66 +257,3 @@ class Mesh:
           f"inside one worker's fast interconnect. Use a tensor size that "
           f"divides {per_worker} (one of {fits}) and move the rest to "
           f"'pipeline' or 'data'.")
-
-
-class SizeMismatch(ValueError):
-  """Axis sizes that do not multiply to the number of devices."""
-
-
-def _axis_position(axis):
-  axis = axis.value if isinstance(axis, MeshAxis) else axis
-  if axis not in AXES:
-    raise ValueError(f"Unknown mesh axis {axis!r}; the axes are {AXES}.")
-  return AXES.index(axis)
-
-
-def resolve_sizes(axis_sizes, num_devices):
-  """{axis: size} for every axis, with -1 and missing axes resolved.
-
-  Args:
-    axis_sizes: {axis: size} (None: all devices on "data").
-    num_devices: how many devices the sizes must multiply to.
-
-  Raises:
-    ValueError: an unknown axis or a bad size; `SizeMismatch` when the
-      sizes do not multiply to `num_devices`.
-
-  >>> resolve_sizes({"data": -1, "tensor": 2}, 8)["data"]
-  4
-  """
-  if axis_sizes is None:
-    axis_sizes = {"data": -1}
-  if not hasattr(axis_sizes, "items"):
-    raise ValueError(
-        "Mesh axis sizes must be a mapping like {'data': 2, 'tensor': 2}. "
-        f"Received: {axis_sizes!r}")
-  shape = dict.fromkeys(AXES, 1)
-  for axis, size in axis_sizes.items():
-    axis = axis.value if isinstance(axis, MeshAxis) else axis
-    if axis not in AXES:
-      raise ValueError(f"Unknown mesh axis {axis!r}; the axes are {AXES}.")
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (
-        size < 1 and size != -1):
-      raise ValueError(
-          f"Mesh axis '{axis}' must have a positive integer size or -1 "
-          f"(inferred). Received: {axis}={size!r}")
-    shape[axis] = int(size)
-  inferred = [a for a, n in shape.items() if n == -1]
-  if not inferred and "data" not in axis_sizes and MeshAxis.DATA not in (
-      axis_sizes):
-    shape["data"], inferred = -1, ["data"]
-  if len(inferred) > 1:
-    raise ValueError(
-        f"At most one mesh axis may be -1. Received: {inferred} are all -1.")
-  known = int(np.prod([n for n in shape.values() if n != -1]))
-  if inferred:
-    if num_devices % known:
-      raise SizeMismatch(
-          f"Cannot infer mesh axis '{inferred[0]}': {num_devices} devices "
-          f"are not divisible by the other axes' product {known}.")
-    shape[inferred[0]] = num_devices // known
-  elif known != num_devices:
-    raise SizeMismatch(
-        f"Mesh shape {shape} needs {known} devices but {num_devices} are "
-        f"available.")
-  return shape
