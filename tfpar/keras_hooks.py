@@ -164,18 +164,18 @@ def _wrap_run(name):
       return original(self, *args, **kwargs)
     except BaseException:
       if getattr(extended, "datasets_distributed", None) != distributed:
-        _interrupted_runs.add(name)  # Its input iterators await collection.
+        _collection[0] = True  # Its input iterators await collection.
       raise
 
   setattr(tf_trainer.TensorFlowTrainer, name, method)
 
 
-_interrupted_runs = set()
+_collection = [False]  # Whether a run that raised left input iterators.
 
 
 def _collect_interrupted_runs():
-  if _interrupted_runs:
-    _interrupted_runs.clear()
+  if _collection[0]:
+    _collection[0] = False
     gc.collect()
 
 

@@ -14,7 +14,6 @@ among the s-th devices of the replicas.
 import numpy as np
 
 from tfpar import batches
-from tfpar import keras_hooks
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
@@ -55,7 +54,6 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     self.recompute = recompute
     self.plan = plan
     self._cutting = False
-    keras_hooks.install_run_hooks()
 
   @property
   def pipeline_size(self):
