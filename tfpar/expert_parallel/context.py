@@ -8,6 +8,7 @@ import tensorflow as tf
 from tfpar._compat import distribute
 from tfpar._compat import keras_layers
 from tfpar._compat import keras_modules
+from tfpar._compat import spmd_run
 from tfpar.common import whole_weights
 from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import optimizer as optimizer_lib
@@ -25,10 +26,14 @@ class MoEContext:
     on_column: under expert x tensor, runs experts on a tensor column.
     stage_columns: the devices of a replica that run MoE blocks: its head
       (0), or under expert x pipeline every stage's device.
+    tensor_groups: under SPMD expert x tensor, the strategy's
+      `TensorGroups`: every device of a replica routes its copy of the
+      tokens and runs its own experts (`spmd_exchange.py`), and the column
+      of a call or a gradient is the running trace's device.
   """
 
   def __init__(self, extended, groups, capacity_factor, columns=1,
-               on_column=None, stage_columns=(0,)):
+               on_column=None, stage_columns=(0,), tensor_groups=None):
     self._extended = extended
     self.groups = groups
     self.capacity_factor = capacity_factor
@@ -39,6 +44,8 @@ class MoEContext:
     self.columns = columns
     self.on_column = on_column
     self.stage_columns = tuple(stage_columns)
+    self.tensor_groups = tensor_groups
+    self.per_device = tensor_groups is not None
     self._launchers = None
     self._expert_variables = {}  # id of tf variable -> ExpertWeight
     self._columns_of = {}  # id of tf variable -> its device column
@@ -57,8 +64,18 @@ class MoEContext:
     return self._launchers
 
   def token_column(self, block):
-    """The device column of a replica that runs `block` (0: the head)."""
+    """The device column of a replica that runs `block` (0: the head;
+    under `per_device`, the running trace's device)."""
+    if self.per_device:
+      return self.current_column()
     return self._token_columns.get(block.path, 0)
+
+  @staticmethod
+  def current_column():
+    """The running SPMD trace's index in its tensor group (0 outside
+    one)."""
+    slot = spmd_run.device_replica_id(tf.distribute.get_replica_context())
+    return 0 if slot is None else slot.tensor_index
 
   def replica_id(self):
     """This strategy's replica id in a replica context, else None."""
@@ -86,7 +103,10 @@ class MoEContext:
 
   def column_of(self, variable):
     """The device column holding an expert tf.Variable (its tensor column,
-    its pipeline stage's device, else 0)."""
+    its pipeline stage's device, else 0; under `per_device`, the running
+    trace's device, whose component of the variable it is)."""
+    if self.per_device:
+      return self.current_column()
     return self._columns_of.get(id(variable), 0)
 
   def expert_weights(self):
@@ -134,6 +154,8 @@ class MoEContext:
     return weight.whole_tensor()
 
   def count_drops(self, block, kept):
+    if self.current_column():  # Per device: its group's first counts.
+      return
     counter = self.drop_counters[block.path]
     dropped = tf.reduce_sum(tf.cast(tf.logical_not(kept), tf.float32))
     routed = tf.cast(tf.size(kept), tf.float32)

@@ -41,6 +41,15 @@ class ExpertSplitting:
     del block
     return None
 
+  def expert_slots(self):
+    """(the slot of each local component of an expert variable, the
+    number of slots): a slot per expert rank, held by each local
+    replica's variable (its column `k` under expert x tensor holds slot
+    `rank * tensor + k` of the rank's experts split in `tensor`)."""
+    ranks = [self._context.groups.expert_rank(r)
+             for r in self.local_replica_ids()]
+    return ranks, self._context.groups.expert
+
   def first_column(self, block):
     """The device column of every replica that runs `block` (and holds
     its first `column_scopes`' experts)."""
@@ -92,16 +101,14 @@ class ExpertSplitting:
           f"The optimizer of model {model.name!r} was built before its "
           f"experts were split. Build the model inside strategy.scope() "
           f"before compiling it.")
-    ranks = [self._context.groups.expert_rank(r)
-             for r in self.local_replica_ids()]
+    ranks, slots = self.expert_slots()
     with self._container_strategy().scope():
       for block, family in blocks:
         bank = block.expert_bank
         for name in family.expert_weight_names:
           variable = getattr(bank, name)
           weight = variables_lib.split_expert_weight(
-              variable, ranks, self._context.groups.expert,
-              self.column_scopes(block))
+              variable, ranks, slots, self.column_scopes(block))
           weight.gather = whole_experts.reader(self._context, weight)
           variables_lib.replace(bank, variable, weight)
           self._context.register(weight, block, self.first_column(block))

@@ -10,7 +10,9 @@ statistics summed over every replica, so it is the one-device loss of the
 whole batch.
 
 Under expert x tensor the replica's head hands the rows of each tensor
-column's experts to that device, which runs them (forward and backward).
+column's experts to that device, which runs them (forward and backward);
+under SPMD expert x tensor every device routes its copy of the tokens and
+exchanges its own experts' rows (`spmd_exchange.py`).
 Under expert x pipeline a block runs on its stage's device of each
 replica, and its all-to-alls and statistics sums join those devices.
 
@@ -22,6 +24,7 @@ import tensorflow as tf
 
 from tfpar.expert_parallel import comm
 from tfpar.expert_parallel import routing
+from tfpar.expert_parallel import spmd_exchange
 
 
 def _on_columns(family, bank, columns, x, context):
@@ -76,9 +79,9 @@ def build_call(block, family, context):
   bank = block.expert_bank
   variables = [getattr(bank, name) for name in family.expert_weight_names]
   # Under expert x tensor, each tensor column's variables, in weight order.
-  columns = [[context.weight_of(v).variables[k] for v in variables]
-             for k in range(context.columns)]
-  token_column = context.token_column(block)
+  columns = [] if context.per_device else [
+      [context.weight_of(v).variables[k] for v in variables]
+      for k in range(context.columns)]
 
   def call(hidden_states, attention_mask=None, training=False):
     shape = tf.shape(hidden_states)
@@ -106,19 +109,31 @@ def build_call(block, family, context):
       expert_out = tf.reshape(out, [-1, hidden])
     else:
       expert = context.groups.expert
-      # The replicas' devices running this block (a pipeline stage's).
-      launcher = context.launchers.all_to_all(replica, token_column)
-      chunks = tf.reshape(buffer, [expert, -1, hidden])
-      received = comm.all_to_all(chunks, launcher, block.name)
-      if context.columns == 1:
+      # The replicas' devices running this block (a pipeline stage's; under
+      # SPMD the running trace's).
+      launcher = context.launchers.all_to_all(
+          replica, context.token_column(block))
+
+      def run_local(received):
         # Cast as Keras autocasts variables under mixed precision.
         local = [tf.cast(v.value, x.dtype) for v in variables]
-        out = _local_experts(family, bank, local, received, expert, capacity)
+        return _local_experts(family, bank, local, received, expert,
+                              capacity)
+
+      if context.per_device:
+        expert_out = spmd_exchange.exchange(
+            buffer, expert, context.tensor_groups, launcher, run_local,
+            block.name)
       else:
-        out = _local_experts(family, bank, columns, received, expert,
-                             capacity, context)
-      back = comm.all_to_all(out, launcher, block.name)
-      expert_out = tf.reshape(back, [-1, hidden])
+        chunks = tf.reshape(buffer, [expert, -1, hidden])
+        received = comm.all_to_all(chunks, launcher, block.name)
+        if context.columns == 1:
+          out = run_local(received)
+        else:
+          out = _local_experts(family, bank, columns, received, expert,
+                               capacity, context)
+        back = comm.all_to_all(out, launcher, block.name)
+        expert_out = tf.reshape(back, [-1, hidden])
       context.count_drops(block, kept)
     out = routing.combine(expert_out, slot, weights, experts,
                           family.contraction)
@@ -131,7 +146,8 @@ def build_call(block, family, context):
                            router_probs.dtype))
       global_sum = ((lambda v: v) if replica is None else
                     (lambda v: comm.sum_over_replicas(
-                        v, context.launchers.everyone(replica, token_column),
+                        v, context.launchers.everyone(
+                            replica, context.token_column(block)),
                         block.name)))
       aux = routing.load_balancing_loss(router_probs, experts, num_experts,
                                         mask, global_sum)

@@ -1,13 +1,16 @@
 """`ExpertParallelStrategy`: the thin public face of
-`ExpertParallelExtended` (data-only mesh) and
-`ExpertTensorParallelExtended` (data x tensor mesh)."""
+`ExpertParallelExtended` (data-only mesh),
+`ExpertSpmdTensorParallelExtended` (data x tensor mesh, SPMD) and
+`ExpertTensorParallelExtended` (data x tensor, the replica-head design)."""
 
 from tfpar.engine import strategy as engine_strategy
 from tfpar.expert_parallel import extended as extended_lib
 from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import routing
+from tfpar.expert_parallel import spmd_extended
 from tfpar.expert_parallel import tensor_extended
 from tfpar.tensor_parallel import plan as plan_lib
+from tfpar.tensor_parallel.spmd import checks as spmd_checks
 
 
 class ExpertParallelStrategy(engine_strategy.MeshStrategy):
@@ -48,6 +51,13 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
       `tf.distribute.experimental.CommunicationOptions`.
     plan: with a tensor axis, a `tfpar.ShardingPlan` (or list of rules)
       for the weights other than the experts; None: the built-in plans.
+    spmd: with a tensor axis, True (the default): every device of a tensor
+      group traces the step, tensor-parallel reductions are collectives of
+      the group (as `TensorParallelStrategy`'s default), and each device
+      routes its copy of the tokens and exchanges its own experts' rows
+      with the same device of the other replicas of its expert group.
+      False: the replica-head design (each replica's first device routes
+      and forwards every column's rows). See docs/expert_parallel.md.
 
   Raises:
     ValueError: a mesh with a pipeline axis, an expert size that does not
@@ -56,7 +66,7 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
       (`expert x tensor` with a tensor axis), top-k outside
       [1, num_experts], a layer the tensor plan cannot split (e.g. heads
       not divisible by the tensor size), clipping by norm with a tensor
-      axis.
+      axis, router jitter noise with `spmd=True`.
 
   Example:
 
@@ -100,8 +110,11 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
   """
 
   def __init__(self, mesh=None, expert=2, capacity_factor=None,
-               communication_options=None, plan=None):
+               communication_options=None, plan=None, spmd=True):
+    if not isinstance(spmd, bool):
+      raise ValueError(f"spmd must be True or False. Received: spmd={spmd!r}")
     routing.check_capacity_factor(capacity_factor)
+    self._spmd = spmd
     self._expert = expert
     self._capacity_factor = capacity_factor
     self._plan = None if plan is None else plan_lib.as_plan(plan)
@@ -119,8 +132,14 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
           f"plan= lays out weights over the 'tensor' axis, which this mesh "
           f"does not have (tensor=1). Received: plan={self._plan!r}")
     groups_lib.check_expert_size(self._expert, mesh.num_replicas)
+    if mesh.shape["tensor"] > 1 and self._spmd:
+      spmd_checks.check_strategy(mesh)
 
   def _make_extended(self, mesh, communication_options):
+    if mesh.shape["tensor"] > 1 and self._spmd:
+      return spmd_extended.ExpertSpmdTensorParallelExtended(
+          self, mesh, self._expert, self._capacity_factor,
+          plan_lib.as_plan(self._plan), communication_options)
     if mesh.shape["tensor"] > 1:
       return tensor_extended.ExpertTensorParallelExtended(
           self, mesh, self._expert, self._capacity_factor,

@@ -1,5 +1,6 @@
 """`ExpertTensorParallelExtended`: expert parallelism on a data x tensor
-mesh.
+mesh, the replica-head design (`spmd=False`; `spmd_extended.py` is the
+default, SPMD). `ExpertTensorLayout` is what both designs share.
 
 Everything but the experts is laid out as `TensorParallelStrategy` lays
 it out (attention by heads, MLPs column- then row-parallel, embeddings on
@@ -31,12 +32,71 @@ from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import optimizer as expert_optimizer
 from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import extended as tensor_extended
-from tfpar.tensor_parallel import optimizer as tensor_optimizer
 
 
-class ExpertTensorParallelExtended(expert_extended.ExpertSplitting,
+class ExpertTensorLayout:
+  """What expert x tensor does under either tensor-parallel design: the
+  experts laid out by expert parallelism, everything else by the tensor
+  plan. Mixed in before `expert_extended.ExpertSplitting` and a tensor
+  `StrategyExtended`, which provides `shard_model` and `_adopt`; a
+  subclass gives `tensor_entries(optimizer, model)` (the optimizer's
+  variables, split slots whole)."""
+
+  preparation = ("shard it and split its experts, so its weights would stay "
+                 "replicated")
+
+  def is_prepared(self, model):
+    return (super().is_prepared(model) and
+            getattr(model, "_tfpar_experts_split", False))
+
+  def laid_out_elsewhere(self, model):
+    """The expert weights of `model`'s MoE blocks (checked to fit the
+    expert group x tensor before anything is laid out)."""
+    return self.expert_weight_paths(model, unsplit=True)
+
+  def prepare_model(self, model):
+    if model.built and not super().is_prepared(model):
+      self.checked_blocks(model)  # Raises: no MoE layer, or one that misfits.
+      self.shard_model(model)
+    if model.built and not getattr(model, "_tfpar_experts_split", False):
+      self.split_experts(model)
+    optimizer = getattr(model, "optimizer", None)
+    if self.is_prepared(model) and optimizer is not None:
+      check_clipping(optimizer)
+      self._adopt(optimizer, model)
+      expert_optimizer.adopt(
+          optimizer, self._context,
+          items=lambda: self.tensor_entries(optimizer, model))
+
+  def describe_elsewhere(self, model):
+    """{expert weight path: (style, shard shape, devices)} for
+    `ShardingPlan.describe`."""
+    expert, tensor = self._context.groups.expert, self.tensor_size
+    replicas = self._mesh.replicas
+    rows = {}
+    held = whole_weights.held(model)  # `weights` lists them whole.
+    for weight in self._context.expert_weights():
+      if not any(weight.variable is v for v in held):
+        continue
+      shape = weight.shape
+      local = (shape[0] // (expert * tensor),) + tuple(shape[1:])
+      slots = []
+      for slot in range(expert * tensor):
+        rank, column = divmod(slot, tensor)
+        devices = ",".join(
+            replicas[r][column].split("device:")[-1]
+            for r in range(len(replicas)) if r % expert == rank)
+        slots.append(f"{slot}: {devices}")
+      rows[weight.path] = (f"Experts axis 0 (expert {expert} x tensor "
+                           f"{tensor})", str(local), " | ".join(slots))
+    return rows
+
+
+class ExpertTensorParallelExtended(ExpertTensorLayout,
+                                   expert_extended.ExpertSplitting,
                                    tensor_extended.TensorParallelExtended):
-  """The logic of `tfpar.ExpertParallelStrategy` on a data x tensor mesh.
+  """The logic of `tfpar.ExpertParallelStrategy(..., spmd=False)` on a
+  data x tensor mesh (the replica-head design).
 
   Args:
     container_strategy: the public strategy.
@@ -69,55 +129,8 @@ class ExpertTensorParallelExtended(expert_extended.ExpertSplitting,
     del block
     return [self.variables_on_column(k) for k in range(self.tensor_size)]
 
-  preparation = ("shard it and split its experts, so its weights would stay "
-                 "replicated")
-
-  def is_prepared(self, model):
-    return (super().is_prepared(model) and
-            getattr(model, "_tfpar_experts_split", False))
-
-  def laid_out_elsewhere(self, model):
-    """The expert weights of `model`'s MoE blocks (checked to fit the
-    expert group x tensor before anything is laid out)."""
-    return self.expert_weight_paths(model, unsplit=True)
-
-  def prepare_model(self, model):
-    if model.built and not super().is_prepared(model):
-      self.checked_blocks(model)  # Raises: no MoE layer, or one that misfits.
-      self.shard_model(model)
-    if model.built and not getattr(model, "_tfpar_experts_split", False):
-      self.split_experts(model)
-    optimizer = getattr(model, "optimizer", None)
-    if self.is_prepared(model) and optimizer is not None:
-      check_clipping(optimizer)
-      tensor_optimizer.adopt(optimizer, model)
-      expert_optimizer.adopt(
-          optimizer, self._context,
-          items=lambda: logical_entries(optimizer.variables,
-                                        sharded_weights(model)))
-
-  def describe_elsewhere(self, model):
-    """{expert weight path: (style, shard shape, devices)} for
-    `ShardingPlan.describe`."""
-    expert, tensor = self._context.groups.expert, self.tensor_size
-    replicas = self._mesh.replicas
-    rows = {}
-    held = whole_weights.held(model)  # `weights` lists them whole.
-    for weight in self._context.expert_weights():
-      if not any(weight.variable is v for v in held):
-        continue
-      shape = weight.shape
-      local = (shape[0] // (expert * tensor),) + tuple(shape[1:])
-      slots = []
-      for slot in range(expert * tensor):
-        rank, column = divmod(slot, tensor)
-        devices = ",".join(
-            replicas[r][column].split("device:")[-1]
-            for r in range(len(replicas)) if r % expert == rank)
-        slots.append(f"{slot}: {devices}")
-      rows[weight.path] = (f"Experts axis 0 (expert {expert} x tensor "
-                           f"{tensor})", str(local), " | ".join(slots))
-    return rows
+  def tensor_entries(self, optimizer, model):
+    return logical_entries(optimizer.variables, sharded_weights(model))
 
 
 def check_clipping(optimizer):

@@ -131,9 +131,13 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
             model, include_self=False)
         if getattr(layer, "_tfpar_layer_layout", None) is not None)
     optimizer = getattr(model, "optimizer", None)
+    # Weights another parallelism lays out (expert x tensor's experts) stay
+    # spread until it does.
+    elsewhere = self.laid_out_elsewhere(model)
     if not already:
       checks.check_model(model, self._sequence_parallel)
-      already = plan_lib.as_plan(self._plan).resolve(model, self.tensor_size)
+      already = plan_lib.as_plan(self._plan).resolve(model, self.tensor_size,
+                                                     elsewhere)
       checks.check_layouts(already, self._sequence_parallel, model)
       strategy = self._container_strategy()
       paired = layers_lib.paired_layers(model, already)
@@ -142,7 +146,7 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
       # of them, less than its final share (all of them).
       split = {v.path for layout in already for v in layout.variables
                if v.axis is not None}
-      _materialize(model, strategy, skip=split)
+      _materialize(model, strategy, skip=split | elsewhere)
       for layout in already:
         with spread.creating_in_place():
           weights_lib.split_layer(layout, self.tensor_size, strategy)
@@ -150,7 +154,7 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
         object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     # Weights of layers outside the layouts (a head added around a model
     # sharded before) stay whole on every device.
-    _materialize(model, self._container_strategy())
+    _materialize(model, self._container_strategy(), skip=elsewhere)
     if self._sequence_parallel:
       sequence_lib.install(model, self._memo.slices)
     dropout_lib.install(model, already, self._memo)
