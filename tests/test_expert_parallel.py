@@ -30,7 +30,8 @@ BACKBONES = {
         vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
         num_key_value_heads=2, hidden_dim=HIDDEN, intermediate_dim=64,
         num_experts=kw.get("num_experts", EXPERTS),
-        top_k=kw.get("top_k", TOP_K)),
+        top_k=kw.get("top_k", TOP_K),
+        router_jitter_noise=kw.get("router_jitter_noise", 0.0)),
     "qwen_moe": lambda **kw: keras_hub.models.QwenMoeBackbone(
         vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
         num_key_value_heads=2, hidden_dim=HIDDEN, intermediate_dim=64,

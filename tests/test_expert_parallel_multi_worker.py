@@ -24,7 +24,12 @@ def test_expert_groups_inside_and_across_workers_train_like_one_device(
     # gathers each whole expert weight from both workers.
     assert result["4"]["losses"] < 1e-5, result
     assert result["4"]["weights"] < 1e-4, result  # Adam (test_moe_layer).
-    for expert in ("2", "4"):
+    # Expert 2 x tensor 2 (SPMD): each device routes its copy of its
+    # worker's tokens and exchanges its column's expert rows across the
+    # workers; whole experts are gathered from every device of both.
+    assert result["2x2"]["losses"] < 1e-5, result
+    assert result["2x2"]["weights"] < 1e-4, result
+    for expert in ("2", "4", "2x2"):
       assert result[expert]["shapes"], result
       # model.weights lists one device's shapes; their values are whole.
       assert result[expert]["listed"] is not False, result

@@ -1,6 +1,6 @@
 """Expert x tensor parallelism: `tfpar.ExpertParallelStrategy` on a
 data 2 x tensor 2 mesh, keras-hub's Mixtral and Qwen-MoE against one
-device.
+device, SPMD (the default) and the head design (`spmd=False`).
 
 Attention, MLPs and embeddings are split over the tensor axis as
 `TensorParallelStrategy` splits them; each MoE layer's experts are spread
@@ -9,6 +9,8 @@ device. Expert bytes per device are counted from every TensorFlow variable
 as it is constructed and released (tests/variable_accounting.py), not from
 tfpar's bookkeeping.
 """
+
+import collections
 
 import keras
 import numpy as np
@@ -48,13 +50,14 @@ def mixtral_sgd():
   reference = ep.train("mixtral", "sgd")
   accounting = ExpertAccounting()
   layout = strategy(expert=2)
+  log = tfpar.CommunicationLog()
   with accounting.counting():
-    trained = ep.train("mixtral", "sgd", layout)
-  return reference, trained, layout, accounting
+    trained = ep.train("mixtral", "sgd", layout, log=log)
+  return reference, trained, layout, accounting, log
 
 
 def test_mixtral_expert2_tensor2_trains_as_one_device(mixtral_sgd, tmp_path):
-  (reference, reference_losses), (model, losses), layout, _ = mixtral_sgd
+  (reference, reference_losses), (model, losses), layout, _, _ = mixtral_sgd
   np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
   assert ep.max_weight_difference(model, reference) < 1e-5
   ours, theirs = model.get_weights(), reference.get_weights()
@@ -76,7 +79,7 @@ def test_mixtral_expert2_tensor2_trains_as_one_device(mixtral_sgd, tmp_path):
 
 
 def test_each_device_holds_a_quarter_of_the_experts(mixtral_sgd):
-  (reference, _), (model, _), layout, accounting = mixtral_sgd
+  (reference, _), (model, _), layout, accounting, _ = mixtral_sgd
   whole = whole_expert_bytes(reference)
   assert whole == 196_608
   live = accounting.now()
@@ -93,6 +96,45 @@ def test_each_device_holds_a_quarter_of_the_experts(mixtral_sgd):
              "0: CPU:0 | 1: CPU:1 | 2: CPU:2 | 3: CPU:3" in row
              for row in rows), rows
   assert "split over the expert group x tensor (experts): 82.2%" in text
+
+
+def test_every_device_exchanges_only_its_own_experts_rows(mixtral_sgd):
+  # SPMD: every device routes its copy of the tokens and sends the rows of
+  # its own column's experts (L = E / (expert x tensor) of them, C = T
+  # slots each: nothing dropped) to the same column of its expert group,
+  # then the group all-gathers the outputs. Per MoE layer and step, each
+  # device sends (expert - 1) L C h 4 bytes per all-to-all (dispatch and
+  # return) and (tensor - 1) expert L C h 4 per all-gather, forward and
+  # backward alike; under the head design the head alone sent the whole
+  # buffer's.
+  *_, log = mixtral_sgd
+  expert, tensor, layers = 2, 2, 2
+  local = ep.EXPERTS // (expert * tensor)
+  slots = ep.BATCH // MESH["data"] * ep.SEQUENCE
+  rows = local * slots * ep.HIDDEN * 4
+  wanted = {"all-to-all": layers * 2 * (expert - 1) * rows,
+            "all-gather": layers * (tensor - 1) * expert * rows}
+  sent = collections.Counter()
+  for replica in range(MESH["data"]):
+    for record in log.step_records(replica):
+      if "moe" in record.layer and record.kind != "all-reduce":
+        device = tf.DeviceSpec.from_string(record.tensor.device)
+        sent[f"CPU:{device.device_index}", record.kind, record.phase] += (
+            record.bytes)
+  assert sent == {(f"CPU:{d}", kind, phase): wanted[kind]
+                  for d in range(4) for kind in wanted
+                  for phase in ("forward", "backward")}, sent
+
+
+def test_the_head_design_trains_as_one_device_and_as_spmd(mixtral_sgd):
+  # spmd=False: each replica's first device routes and forwards every
+  # column's rows to it.
+  (reference, reference_losses), (spmd_model, spmd_losses), *_ = mixtral_sgd
+  model, losses = ep.train("mixtral", "sgd", strategy(expert=2, spmd=False))
+  np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
+  assert ep.max_weight_difference(model, reference) < 1e-5
+  assert np.abs(losses - spmd_losses).max() < 1e-6
+  assert ep.max_weight_difference(model, spmd_model) < 1e-6
 
 
 def test_qwen_moe_expert2_tensor2_trains_as_one_device():
@@ -138,6 +180,9 @@ def _attention_moe_model(heads):
      r"num_experts=2 is not divisible by expert x tensor = 2 x 2"),
     (lambda: _attention_moe_model(heads=3),
      r"num_heads = 3 is not divisible by the mesh's tensor size 2"),
+    (lambda: ep.language_model("mixtral", router_jitter_noise=0.1),
+     r"router_jitter_noise=0.1: under ExpertParallelStrategy\(spmd=True\) "
+     r"every device of a tensor group routes its own copy"),
 ])
 def test_bad_models_fail_when_built_before_any_work(build, message):
   layout = strategy(expert=2)

@@ -3,9 +3,11 @@
 
 Trains test_moe_layer's model (two `tfpar.MoE` layers, Adam) on one device
 and under `ExpertParallelStrategy` with expert 2 (each expert group inside
-a worker) and expert 4 (the group spans both workers), and writes to
+a worker), expert 4 (the group spans both workers) and expert 2 x tensor 2
+(SPMD; each worker one tensor group, each expert group across both
+workers), and writes to
 `OUT_DIR/worker<i>.json` the largest differences from one device of the
-losses and of `get_weights` (gathered across the workers for expert 4),
+losses and of `get_weights` (gathered across the workers for expert 4 and 2 x 2),
 the difference of `model.weights`' values from `get_weights`,
 and (chief) of a one-device model loading what `tfpar.save_weights`
 wrote.
@@ -32,10 +34,15 @@ def main():
   # The first strategy before any op: TF configures collectives at startup.
   strategies = {2: tfpar.ExpertParallelStrategy(mesh, expert=2)}
   reference, reference_losses = test_moe_layer.train("adam")
+  # Expert 2 x tensor 2 (SPMD): each worker's 2 devices are one tensor
+  # group, and each expert group spans both workers.
+  by_tensor = tfpar.Mesh.from_cluster_resolver(data=2, tensor=2)
   result = {}
-  for expert in (2, 4):
-    strategy = (strategies.get(expert) or
-                tfpar.ExpertParallelStrategy(mesh, expert=expert))
+  for expert in (2, 4, "2x2"):
+    strategy = strategies.get(expert) or (
+        tfpar.ExpertParallelStrategy(by_tensor, expert=2)
+        if expert == "2x2" else
+        tfpar.ExpertParallelStrategy(mesh, expert=expert))
     model, losses = test_moe_layer.train("adam", strategy)
     found = {"losses": float(np.abs(losses - reference_losses).max())}
     # Every worker reads (and with expert 4 gathers) the whole experts.

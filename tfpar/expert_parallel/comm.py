@@ -54,9 +54,10 @@ def all_to_all(chunks, launcher, layer):
   @tf.custom_gradient
   def _all_to_all(value):
     def grad(upstream):
+      received = _exchange(upstream, launcher)
       instrument.record(ALL_TO_ALL, instrument.BACKWARD,
-                        _sent_bytes(upstream), layer)
-      return _exchange(upstream, launcher)
+                        _sent_bytes(upstream), layer, received)
+      return received
     return _exchange(value, launcher), grad
 
   received = _all_to_all(chunks)

@@ -140,7 +140,8 @@ class MoEContext:
   def whole_of(self, weight):
     """The whole [E, ...] tensor of an `ExpertWeight` (see `whole_value`)."""
     by_rank = weight.components_by_rank()
-    missing = [r for r in range(self.groups.expert) if r not in by_rank]
+    # Slots: expert ranks, or under SPMD expert x tensor rank x column.
+    missing = [r for r in range(weight.expert) if r not in by_rank]
     if missing and keras_modules.symbolic_scope.in_symbolic_scope():
       # Keras building the model symbolically: only shapes flow.
       piece = next(iter(by_rank.values()))

@@ -18,6 +18,7 @@ import tensorflow as tf
 from tfpar import watchdog
 from tfpar._compat import distribute
 from tfpar._compat import keras_layers
+from tfpar._compat import spmd_run
 
 _prefetched = {}  # id of an expert variable -> its whole NumPy value
 
@@ -34,10 +35,18 @@ def gather(context, weights):
   strategy = values[0].distribute_strategy
 
   def on_replica():
-    launcher = context.launchers.everyone(context.replica_id())
-    # In a replica context a variable reads as the replica's experts.
-    return [distribute.all_gather(launcher, tf.convert_to_tensor(v))
-            for v in values]
+    column = context.current_column()
+    launcher = context.launchers.everyone(context.replica_id(), column)
+    # In a replica context a variable reads as the replica's (under SPMD
+    # the device's) experts.
+    gathered = [distribute.all_gather(launcher, tf.convert_to_tensor(v))
+                for v in values]
+    if context.per_device:  # Every column's, on its group's first device.
+      device = spmd_run.device_replica_id(
+          tf.distribute.get_replica_context()).device_index
+      tensor_launcher = context.tensor_groups.launcher(device)
+      gathered = [distribute.all_gather(tensor_launcher, g) for g in gathered]
+    return gathered
 
   with watchdog.watching(strategy, "the gather of whole expert weights"):
     gathered = tf.function(lambda: strategy.run(on_replica))()
@@ -46,12 +55,15 @@ def gather(context, weights):
   for replica in range(strategy.num_replicas_in_sync):
     first_of_rank.setdefault(groups.expert_rank(replica), replica)
   wholes = []
+  columns = context.tensor_groups.tensor_size if context.per_device else 1
   for per_replica in gathered:
     flat = strategy.experimental_local_results(per_replica)[0].numpy()
-    local = flat.shape[0] // strategy.num_replicas_in_sync
+    # [column][replica][its experts], each column's gathered over replicas.
+    pieces = flat.reshape((columns, strategy.num_replicas_in_sync, -1) +
+                          flat.shape[1:])
     wholes.append(np.concatenate(
-        [flat[first_of_rank[rank] * local:(first_of_rank[rank] + 1) * local]
-         for rank in range(groups.expert)], 0))
+        [pieces[column, first_of_rank[rank]] for rank in range(groups.expert)
+         for column in range(columns)], 0))
   return wholes
 
 
