@@ -7,7 +7,13 @@ BatchMatMul and two-operand Einsum: 2 x output elements x contracted
 size) and the output elements of every other op (the element-wise work:
 LayerNorm, GELU, softmax, residual adds, the loss, the optimizer).
 
-Used by `bench_tensor_spmd.py`; imports TensorFlow only when called.
+`copied_bytes` counts the other way devices exchange data in a traced
+step: every tensor an op reads from another device (a copy TensorFlow
+inserts as a Send/Recv pair when it partitions the graph), charged to the
+sending device; collectives are not copies (count them when they run).
+
+Used by `bench_tensor_spmd.py` and `bench_expert_tensor_spmd.py`; imports
+TensorFlow only when called.
 """
 
 import collections
@@ -85,6 +91,60 @@ def census(graph, stats=None, outer_device=None):
       stats[device]["elementwise"] += sum(
           _elements(o.shape) for o in op.outputs if o.dtype.name != "resource")
   return stats
+
+
+def _bodies(graph, outer_device=None):
+  """(graph, op, device) of every op of `graph` and of the functions it
+  calls, with the device of the call for ops placed nowhere."""
+  for op in graph.get_operations():
+    device = _device(op.device) or outer_device
+    if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+      body = graph._get_function(op.get_attr("f").name)  # pylint: disable=protected-access
+      if body is not None and getattr(body, "graph", None) is not None:
+        yield from _bodies(body.graph, device)
+        continue
+    yield graph, op, device
+
+
+def _live_ops(graph):
+  """The ops of `graph` that run: those the outputs or a stateful op
+  need (TensorFlow prunes the rest of a function's graph)."""
+  pending = [t.op for t in getattr(graph, "outputs", ())]
+  pending += [op for op in graph.get_operations() if op._is_stateful]  # pylint: disable=protected-access
+  live = set()
+  while pending:
+    op = pending.pop()
+    if op in live:
+      continue
+    live.add(op)
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  return live
+
+
+def copied_bytes(graph):
+  """{device: bytes of the tensors it sends to ops on other devices} in
+  one run of `graph` (each tensor counted once per receiving device; a
+  tensor of unknown shape counts 0)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  sent = collections.Counter()
+  live = {}
+  seen = set()
+  for body, op, device in _bodies(graph):
+    if body not in live:
+      live[body] = _live_ops(body)
+    if op not in live[body] or device is None:
+      continue
+    for tensor in op.inputs:
+      source = _device(tensor.op.device)
+      if (source is None or source == device or
+          tensor.dtype in (tf.resource, tf.variant)):
+        continue
+      key = (tensor.ref(), device)
+      if key not in seen:
+        seen.add(key)
+        sent[source] += _elements(tensor.shape) * tensor.dtype.size
+  return sent
 
 
 def busiest_over_mean(stats, devices, key):
