@@ -91,6 +91,9 @@ class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
     self._batches_done = self._to_skip = self._steps_run = 0
     self._preemption = None
     keras_hooks.install_fit_preparation()  # For `finish_fit`.
+    # A resume after an interrupted fit first collects its input iterators
+    # (tfpar's strategies install these hooks; stock ones do not).
+    keras_hooks.install_run_hooks()
 
   def on_train_begin(self, logs=None):
     super().on_train_begin(logs)

@@ -21,13 +21,15 @@
   checked with its own batch size.
 * Input iterators of interrupted runs: when `fit`, `evaluate` or `predict`
   raises after the strategy distributed its input
-  (`extended.datasets_distributed` moved), the input iterator sits in the
-  reference cycles of the exception's frames. Python's collector would
-  free it wherever it next ran, possibly inside a replica thread tracing
-  the next step, and destroying a tf.data iterator can wait seconds to
-  minutes on TensorFlow's input threads (measured in gdb). The next
-  `fit`, `evaluate` or `predict` collects it first, on the calling
-  thread.
+  (`extended.datasets_distributed` moved; a stock strategy has no such
+  counter, so any run that raises under one counts), the input iterator
+  sits in the reference cycles of the exception's frames. Python's
+  collector would free it wherever it next ran, possibly inside a replica
+  thread tracing the next step, and destroying a tf.data iterator can
+  wait seconds to minutes on TensorFlow's input threads (measured in
+  gdb). The next `fit`, `evaluate` or `predict` collects it first, on the
+  calling thread. tfpar's strategies install these hooks, and
+  `tfpar.BackupAndRestore` does for stock strategies' resumes.
 
 The optimizer's hooks (gradient accumulation, loss scaling) are in
 `tfpar._compat.keras_optimizer_hooks`.
@@ -163,7 +165,10 @@ def _wrap_run(name):
     try:
       return original(self, *args, **kwargs)
     except BaseException:
-      if getattr(extended, "datasets_distributed", None) != distributed:
+      # A stock strategy (no counter) may have distributed its input too.
+      if (getattr(extended, "datasets_distributed", None) != distributed or
+          distributed is None and
+          keras_trainer.model_strategy(self) is not None):
         _collection[0] = True  # Its input iterators await collection.
       raise
 

@@ -157,9 +157,24 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     finally:
       self._column.index = previous
 
+  @contextlib.contextmanager
+  def variables_on_devices(self, devices):
+    """Variables created inside get one component on each of `devices`
+    (a pipeline stage's devices under SPMD: every device of its tensor
+    group in every replica, replica-major)."""
+    previous = getattr(self._column, "devices", None)
+    self._column.devices = tuple(devices)
+    try:
+      yield
+    finally:
+      self._column.devices = previous
+
   def _create_variable(self, next_creator, **kwargs):
     index = getattr(self._column, "index", None)
-    if index is not None and kwargs.get("colocate_with") is None:
+    devices = getattr(self._column, "devices", None)
+    if devices is not None and kwargs.get("colocate_with") is None:
+      kwargs["colocate_with"] = DeviceSet(devices)
+    elif index is not None and kwargs.get("colocate_with") is None:
       kwargs["colocate_with"] = DeviceSet(
           group[index] for group in self._local_groups)
     elif self.spreads_weights and spread.should_spread(kwargs):

@@ -87,7 +87,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
   def prepare_model(self, model):
     if self.is_prepared(model) and self.tensor_size > 1 and (
         getattr(model, "optimizer", None) is not None):
-      tensor_parallel_optimizer.adopt(model.optimizer, model)
+      self._adopt(model.optimizer, model)
     if not model.built or self.is_prepared(model):
       return
     steps_lib.check_model(model)
@@ -102,13 +102,16 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     # layers, which hides the Dense pairs the built-in plan looks for.
     layer_layouts = (self.plan.resolve(model, self.tensor_size)
                      if self.tensor_size > 1 else None)
+    if layer_layouts is not None:
+      self._check_layouts(model, layer_layouts)
     elsewhere = self.laid_out_elsewhere(model)  # Checked before any move.
     plan = self.stage_plan(model)
     split = {v.path for layout in layer_layouts or () for v in
              layout.variables if v.axis is not None}
     placement.place_stage_variables(self._container_strategy(), plan,
                                     self._local_groups, self.pipeline_size,
-                                    self.tensor_size, skip=split | elsewhere)
+                                    self.tensor_size, skip=split | elsewhere,
+                                    devices_of=self.stage_variable_devices)
     if layer_layouts is not None:
       self._shard_stages(model, plan, layer_layouts)
     self.lay_out_elsewhere(model, plan)
@@ -153,7 +156,21 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     for stage in plan.stages:
       whole_weights.install(stage.model)
     if getattr(model, "optimizer", None) is not None:
-      tensor_parallel_optimizer.adopt(model.optimizer, model)
+      self._adopt(model.optimizer, model)
+
+  def _check_layouts(self, model, layer_layouts):
+    """Checks the resolved tensor plan before the model is cut (and reads
+    what cutting would hide); nothing more to check here."""
+    del model, layer_layouts
+
+  def stage_variable_devices(self, column):
+    """The devices a stage's variables go on, from its first column: the
+    stage's head in every replica."""
+    return tuple(group[column] for group in self._local_groups)
+
+  def _adopt(self, optimizer, model):
+    """Makes `optimizer` work on the tensor-parallel stages' shards."""
+    tensor_parallel_optimizer.adopt(optimizer, model)
 
   def runner(self, plan):
     """The `StageRunner` of the replica running now."""

@@ -13,9 +13,10 @@ def stage_column(stage_index, pipeline_size, columns_per_stage=1):
 
 
 def place_stage_variables(strategy, plan, groups, pipeline_size,
-                          columns_per_stage=1, skip=()):
+                          columns_per_stage=1, skip=(), devices_of=None):
   """Re-creates every variable of stage `s` on its head device (device
-  `(s % pipeline_size) x columns_per_stage`) of each replica.
+  `(s % pipeline_size) x columns_per_stage`) of each replica, or on the
+  devices `devices_of(that column)` gives.
 
   Models are built before they are cut, so their variables start on the
   replicas' head devices; each moves once, keeping its value, before the
@@ -30,14 +31,19 @@ def place_stage_variables(strategy, plan, groups, pipeline_size,
     columns_per_stage: devices per stage in a replica (the tensor size).
     skip: paths of variables not to move (split over the tensor axis
       next, from where they were created).
+    devices_of: None, or a function from a stage's first column to the
+      devices its variables go on (under SPMD every device of the stage's
+      tensor group in every replica).
   """
+  if devices_of is None:
+    devices_of = lambda column: tuple(group[column] for group in groups)
   # Interleaved over the stages: weights created spread over every device
   # leave each about as fast as its own arrive (engine/spread.py): `interleaved`.
   moving = {stage.index: [v for v in stage.variables if v.path not in skip]
             for stage in plan.stages}
   for index, variable in interleaved(moving, spread.nbytes):
     column = stage_column(index, pipeline_size, columns_per_stage)
-    devices = tuple(group[column] for group in groups)
+    devices = devices_of(column)
     specs = tuple(tf.DeviceSpec.from_string(d) for d in devices)
     current = keras_layers.storage(variable)
     if _devices_of(current) == specs:
@@ -45,8 +51,7 @@ def place_stage_variables(strategy, plan, groups, pipeline_size,
     value = tf.convert_to_tensor(current)
     if hasattr(current, "release"):  # Its creation-time slices.
       current.release()
-    with strategy.scope(), strategy.extended.variables_on_column(
-        column):
+    with strategy.scope(), strategy.extended.variables_on_devices(devices):
       placed = tf.Variable(
           initial_value=value, trainable=current.trainable,
           name=current.name.split(":")[0],

@@ -13,6 +13,7 @@ from tfpar.pipeline import experts
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
 from tfpar.pipeline import schedules
+from tfpar.pipeline import spmd_extended
 from tfpar.tensor_parallel import rounding as tensor_rounding
 from tfpar.tensor_parallel import plan as plan_lib
 
@@ -118,8 +119,11 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
                stages="auto", recompute=False, plan=None,
                communication_options=None, virtual_stages=1,
                communication_dtype="float32", expert=None,
-               capacity_factor=None):
+               capacity_factor=None, spmd=False):
     experts.check_options(expert, capacity_factor, schedule, recompute)
+    if not isinstance(spmd, bool):
+      raise ValueError(f"spmd must be True or False. Received: spmd={spmd!r}")
+    self._spmd = spmd
     self._expert = expert
     self._capacity_factor = capacity_factor
     if (not isinstance(num_microbatches, numbers.Integral) or
@@ -179,6 +183,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     if self._expert is not None:
       return expert_extended.ExpertPipelineExtended(
           self, mesh, self._expert, self._capacity_factor, **options)
+    if self._spmd and mesh.shape["tensor"] > 1:
+      return spmd_extended.SpmdPipelineParallelExtended(self, mesh, **options)
     return extended_lib.PipelineParallelExtended(self, mesh, **options)
 
   def _check_mesh(self, mesh):

@@ -23,13 +23,8 @@ changes is how a replica runs:
   variables count each data replica once.
 """
 
-import tensorflow as tf
-
-from tfpar import watchdog
 from tfpar._compat import keras_layers
 from tfpar._compat import spmd_run
-from tfpar._compat.tf_modules import nest
-from tfpar._compat.tf_modules import values_lib
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
@@ -42,15 +37,11 @@ from tfpar.tensor_parallel.spmd import layers as layers_lib
 from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
 from tfpar.tensor_parallel.spmd import reductions
+from tfpar.tensor_parallel.spmd import runs
 from tfpar.tensor_parallel.spmd import sequence as sequence_lib
 from tfpar.tensor_parallel.spmd import terms
 from tfpar.tensor_parallel.spmd import weights as weights_lib
 from tfpar.tensor_parallel.spmd import zero_hooks
-
-
-def _is_values(value):
-  return isinstance(value, values_lib.DistributedValues) and not isinstance(
-      value, tf.Variable)
 
 
 def _materialize(model, strategy, skip=frozenset()):
@@ -61,7 +52,8 @@ def _materialize(model, strategy, skip=frozenset()):
       spread.materialize(variable, strategy)
 
 
-class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
+class SpmdTensorParallelExtended(runs.PerDeviceRuns,
+                                 spmd_run.DeviceReplicaIds,
                                  zero_hooks.ZeroHooks,
                                  reductions.PerDeviceReductions,
                                  tp_extended.TensorParallelExtended):
@@ -174,56 +166,5 @@ class SpmdTensorParallelExtended(spmd_run.DeviceReplicaIds,
     optimizer_lib.adopt(optimizer, model, self._groups,
                         self._memo.partial_weights)
 
-  # Running a replica: one trace per device.
-
-  def _expand(self, structure):
-    """Each replica's component handed to every device of its group."""
-    groups, replicas = self._groups.groups, len(self._groups.groups)
-
-    def expand(value):
-      if not _is_values(value) or len(value.values) != replicas:
-        return value
-      components = []
-      for component, group in zip(value.values, groups):
-        components.append(component)
-        for device in group[1:]:
-          with tf.device(device):
-            components.append(nest.map_structure(
-                tf.identity, component, expand_composites=True))
-      return values_lib.PerReplica(tuple(components))
-    return nest.map_structure(expand, structure)
-
-  def _collapse(self, structure):
-    """Per-device results as per-replica ones: each group's first device."""
-    t = self.tensor_size
-
-    def collapse(value):
-      if _is_values(value) and self._is_per_device(value):
-        return type(value)(tuple(value.values[::t]))
-      return value
-    return nest.map_structure(collapse, structure)
-
-  check_run = staticmethod(checks.check_run)
-
-  def _call_for_each_replica(self, fn, args, kwargs):
-    self.prepare_pending_models()
-    if tf.executing_eagerly():
-      raise ValueError(
-          f"{checks.EAGER_REFUSAL}. Received: an eager strategy.run; call "
-          f"it inside a tf.function, or use TensorParallelStrategy(..., "
-          f"spmd=False).")
-    t = self.tensor_size
-    ids = [spmd_run.DeviceReplicaId(self._first_replica + index // t, index,
-                                    index % t)
-           for index in range(len(self._groups.devices))]
+  def _clear_memos(self):
     self._memo.clear()
-    try:
-      result = spmd_run.run_on_devices(
-          self._container_strategy(), spmd_run.traceable(fn),
-          self._expand(args or ()), self._expand(kwargs or {}),
-          self._groups.devices, ids)
-    finally:
-      self._memo.clear()
-    watchdog.touch()
-    self.check_models_prepared()
-    return self._collapse(result)

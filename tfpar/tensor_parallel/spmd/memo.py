@@ -4,6 +4,8 @@ partial gradients (summed over the tensor group before the data
 all-reduce).
 """
 
+import weakref
+
 from tfpar._compat import keras_layers
 from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel.spmd import collectives
@@ -29,8 +31,10 @@ class Memo:
     # Replicated weights whose gradient on each device is partial (applied
     # to sequence slices, or a key/value head shared by several devices):
     # summed over the tensor group before the data all-reduce. Kept across
-    # steps.
-    self.partial_weights = {}
+    # steps, weakly: {id(storage): storage}, an entry dropped when its
+    # storage dies (tfpar.ZeRO(stage=3) replacing it), so an old storage is
+    # neither kept alive nor confused with a new one given its id().
+    self.partial_weights = weakref.WeakValueDictionary()
     self.slices = sequence.Slices(groups, float32_sums,
                                   self.partial_weights) if (
                                       sequence_parallel) else None

@@ -15,6 +15,8 @@ do the model's outputs. keras-hub blocks run their own call on slices
 memory and the bytes stay those of one all-reduce.
 """
 
+import weakref
+
 import keras
 import tensorflow as tf
 
@@ -76,9 +78,10 @@ class Slices:
     self._whole = {}
     self.gathered = {}  # Outputs of `for_split_layer` (f already done).
     # Replicated weights applied to slices (LayerNorms, row biases): each
-    # device's gradient covers its slice only. Kept across steps.
-    self.partial_weights = {} if partial_weights is None else (
-        partial_weights)
+    # device's gradient covers its slice only. Kept across steps, weakly
+    # (`Memo.partial_weights`).
+    self.partial_weights = weakref.WeakValueDictionary() if (
+        partial_weights is None) else partial_weights
     self.scatters = 0  # Reduce-scatters so far (a layer's output sliced?)
 
   def mark_weights(self, variables):
@@ -231,8 +234,8 @@ def sum_partial_gradients(optimizer, groups, partial_weights):
   Args:
     optimizer: the model's Keras optimizer.
     groups: the strategy's `collectives.TensorGroups`.
-    partial_weights: {id(storage): storage} of those weights (filled as
-      layers are split; read when the step is traced).
+    partial_weights: {id(storage): storage} of those weights, weakly
+      (filled as layers are split; read when the step is traced).
   """
   if getattr(optimizer, "_tfpar_spmd_partial_sums", False):
     return

@@ -92,7 +92,7 @@ class SpmdWeight(ShardedWeight):
     variable._tfpar_shard_of = (self, 0)  # pylint: disable=protected-access
 
 
-def split_layer(layer_layout, tensor_size, strategy):
+def split_layer(layer_layout, tensor_size, strategy, groups=None):
   """Replaces each split variable of a layer by one SPMD variable.
 
   Args:
@@ -100,6 +100,8 @@ def split_layer(layer_layout, tensor_size, strategy):
     tensor_size: devices per tensor group.
     strategy: the strategy (its scope creates the new variables over
       every data x tensor device).
+    groups: the `collectives.TensorGroups` the layer computes over
+      (default the strategy's `tensor_groups`; a pipeline stage's).
 
   Returns:
     The `SpmdWeight`s created.
@@ -120,7 +122,8 @@ def split_layer(layer_layout, tensor_size, strategy):
       component.assign(pieces[index % tensor_size], read_value=False)
     keras_layers.set_path(local, variable.path)
     weight = SpmdWeight(variable_layout, local, tensor_size)
-    terms.carry_over(variable, weight, strategy.extended.tensor_groups)
+    terms.carry_over(variable, weight,
+                     groups or strategy.extended.tensor_groups)
     _replace(owner, variable, local, weight)
     created.append(weight)
   for owner in {owners[w.path][0] for w in created}:
