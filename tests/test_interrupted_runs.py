@@ -2,15 +2,20 @@
 thread before the next run starts, not left to Python's collector (which
 could free them inside a replica thread tracing the next step, where
 destroying TensorFlow's multi-device iterator stalled the trace for
-minutes)."""
+minutes): under tfpar's strategies, and under a stock MirroredStrategy
+when `tfpar.BackupAndRestore` resumes the interrupted fit."""
 
 import gc
 import weakref
 
 import keras
 import pytest
+import tensorflow as tf
 
+import tfpar
+from tfpar import keras_hooks
 import dp_common
+import stock_strategies
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from zero_common import data_parallel
 
@@ -68,3 +73,34 @@ def test_the_next_run_frees_the_interrupted_runs_iterators(
     assert counter.alive == 1
   finally:
     gc.enable()
+
+
+def test_backup_and_restore_collects_under_a_stock_strategy(
+    alive_epoch_iterators, tmp_path):
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+  with stock_strategies.mirrored(devices).scope():
+    model = dp_common.build_model()
+  x, y = dp_common.make_data()
+  backup_dir = str(tmp_path / "backup")
+  gc.disable()  # Only tfpar may collect the interrupted run's garbage.
+  try:
+    with pytest.raises(RuntimeError, match="interrupted"):
+      model.fit(x, y, batch_size=dp_common.GLOBAL_BATCH, shuffle=False,
+                callbacks=[tfpar.BackupAndRestore(backup_dir, save_freq=1),
+                           _Interrupt()], verbose=0)
+    assert alive_epoch_iterators() == 1  # In the exception's cycles.
+    counter = _CountIterators(alive_epoch_iterators)
+    model.fit(x, y, batch_size=dp_common.GLOBAL_BATCH, shuffle=False,
+              callbacks=[tfpar.BackupAndRestore(backup_dir, save_freq=1),
+                         counter], verbose=0)
+    assert counter.alive == 1
+  finally:
+    gc.enable()
+
+
+def test_backup_and_restore_installs_the_run_hooks(monkeypatch, tmp_path):
+  installed = []
+  monkeypatch.setattr(keras_hooks, "install_run_hooks",
+                      lambda: installed.append(True))
+  tfpar.BackupAndRestore(str(tmp_path / "backup"))
+  assert installed

@@ -65,12 +65,20 @@ def _assert_same_as(reference, result):
                                err_msg=path)
 
 
-def _assert_stage_shards_on_stage_devices(result, tensor):
+def _assert_stage_shards_on_stage_devices(result, tensor, spmd=False):
   """Shard k of a stage-s layer on device s x tensor + k of each replica;
-  unsplit stage-s weights on the stage head s x tensor."""
+  unsplit stage-s weights on the stage head s x tensor (under SPMD one
+  variable per weight on every device of the stage's tensor groups, its
+  k-th component there shard k, and unsplit ones on all of them too)."""
   groups = result["groups"]
   devices = result["devices"]
   for block, stage in (("block0", 0), ("block1", 1)):
+    stage_devices = [g[stage * tensor + k] for g in groups
+                     for k in range(tensor)]
+    if spmd:
+      assert devices[f"{block}_mlp_in/kernel"] == stage_devices
+      assert devices[f"{block}_ln1/gamma"] == stage_devices
+      continue
     for k in range(tensor):
       path = f"{block}_mlp_in/kernel_shard{k}"
       assert devices[path] == [g[stage * tensor + k] for g in groups], path
@@ -78,12 +86,14 @@ def _assert_stage_shards_on_stage_devices(result, tensor):
                                              for g in groups]
 
 
-# (data, schedule, ZeRO stage) on pipeline 2 x tensor 2.
-# (data, schedule, ZeRO stage): both schedules, one and two replicas, ZeRO-3
-# (ZeRO-2 runs across workers and under mixed policies below);
+# (data, schedule, ZeRO stage, design) on pipeline 2 x tensor 2: both
+# schedules, one and two replicas, ZeRO-3 (ZeRO-2 runs across workers and
+# under mixed policies below), SPMD and the head design;
 # TFPAR_TEST_FULL=1 adds 1F1B on one replica and GPipe with ZeRO-1.
-CASES = suite_scope.cases([(1, "gpipe", 0), (2, "1f1b", 3)],
-                          [(1, "1f1b", 0), (2, "gpipe", 1)])
+CASES = suite_scope.cases(
+    [(1, "gpipe", 0, "spmd"), (2, "1f1b", 3, "spmd"), (2, "1f1b", 3, "head")],
+    [(1, "1f1b", 0, "spmd"), (2, "gpipe", 1, "spmd"), (1, "gpipe", 0, "head"),
+     (2, "gpipe", 1, "head")])
 
 
 @pytest.fixture(scope="module")
@@ -91,32 +101,37 @@ def one_host_runs(tmp_path_factory):
   """Every CASES entry, run by one td_worker process (TensorFlow and its 8
   virtual CPUs start once): case -> the worker's result."""
   out_dir = tmp_path_factory.mktemp("three_d")
-  names = [f"d{data}_{schedule}_zero{stage}" for data, schedule, stage
-           in CASES]
+  names = [f"d{data}_{schedule}_zero{stage}_{design}"
+           for data, schedule, stage, design in CASES]
   _run([sys.executable, WORKER, str(out_dir)] +
-       [f"{name},{data},2,2,{schedule},{stage}"
-        for name, (data, schedule, stage) in zip(names, CASES)],
+       [f"{name},{data},2,2,{schedule},{stage},{design}"
+        for name, (data, schedule, stage, design) in zip(names, CASES)],
        out_dir, names[0])
   return {case: json.load(open(out_dir / f"{name}_worker0.json"))
           for name, case in zip(names, CASES)}
 
 
-@pytest.mark.parametrize("data,schedule,zero_stage", CASES)
+@pytest.mark.parametrize("data,schedule,zero_stage,design", CASES)
 def test_pipeline_of_tensor_parallel_stages_matches_one_device(
-    reference, one_host_runs, data, schedule, zero_stage):
-  result = one_host_runs[(data, schedule, zero_stage)]
+    reference, one_host_runs, data, schedule, zero_stage, design):
+  result = one_host_runs[(data, schedule, zero_stage, design)]
   assert result["num_replicas"] == data
   _assert_same_as(reference, result)
-  _assert_stage_shards_on_stage_devices(result, tensor=2)
+  _assert_stage_shards_on_stage_devices(result, tensor=2,
+                                        spmd=design == "spmd")
   if zero_stage:
-    _assert_zero_slices_over_data(reference, result, zero_stage)
+    _assert_zero_slices_over_data(reference, result, zero_stage,
+                                  tensor=2 if design == "spmd" else 1)
 
 
-def _assert_zero_slices_over_data(reference, result, zero_stage):
+def _assert_zero_slices_over_data(reference, result, zero_stage, tensor=1):
   """Optimizer state, and under ZeRO-3 the weights, held once in all the
-  replicas together instead of once per replica."""
-  weights = sum(np.asarray(v, np.float32).nbytes
-                for v in reference["weights"].values())
+  replicas together instead of once per replica (under SPMD a replicated
+  weight once per device of its tensor group: `tensor` copies)."""
+  assert result["split"]
+  weights = sum(np.asarray(v, np.float32).nbytes *
+                (1 if path in result["split"] else tensor)
+                for path, v in reference["weights"].items())
   # Adam's 2 moments, plus under stages 1-2 the weight slice each replica
   # updates (under stage 3 that slice is the weight itself).
   state = sum(result["optimizer_bytes"].values())

@@ -8,7 +8,9 @@ ones), so several cases pay TensorFlow's start once; under `tfpar launch`
 the mesh spans the TF_CONFIG workers (data across them).
 
 Usage: td_worker.py OUT_DIR CASE [CASE ...]
-  CASE: NAME,DATA,PIPELINE,TENSOR,SCHEDULE,ZERO_STAGE (ZERO_STAGE 0: no ZeRO)
+  CASE: NAME,DATA,PIPELINE,TENSOR,SCHEDULE,ZERO_STAGE[,DESIGN]
+    (ZERO_STAGE 0: no ZeRO; DESIGN "spmd" or "head": spmd=True / False,
+    default the strategy's)
 """
 
 import json
@@ -26,12 +28,15 @@ MICROBATCHES = 2
 
 
 def _parse(case):
-  name, data, pipeline, tensor, schedule, zero_stage = case.split(",")
+  name, data, pipeline, tensor, schedule, zero_stage, *design = case.split(
+      ",")
+  spmd = {(): None, ("spmd",): True, ("head",): False}[tuple(design)]
   return (name, int(data), int(pipeline), int(tensor), schedule,
-          int(zero_stage))
+          int(zero_stage), spmd)
 
 
-def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage):
+def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage,
+         spmd=None):
   if "TF_CONFIG" in os.environ:
     mesh = tfpar.Mesh.from_cluster_resolver(data=data, pipeline=pipeline,
                                             tensor=tensor)
@@ -40,8 +45,9 @@ def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage):
     mesh = tfpar.Mesh({"data": data, "pipeline": pipeline, "tensor": tensor},
                       devices=tfpar.Mesh().devices[:data * pipeline * tensor])
     worker = 0
+  design = {} if spmd is None else {"spmd": spmd}
   strategy = tfpar.PipelineParallelStrategy(
-      mesh, num_microbatches=MICROBATCHES, schedule=schedule)
+      mesh, num_microbatches=MICROBATCHES, schedule=schedule, **design)
   with strategy.scope():
     model = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
   callbacks = [tfpar.ZeRO(stage=zero_stage)] if zero_stage else []
@@ -51,6 +57,10 @@ def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage):
       # The variables held (shards), not model.weights' whole weights.
       "devices": {v.path: [c.device for c in memory.components(v)]
                   for v in whole_weights.held(model)},
+      # The weights split over the tensor axis (the others are replicated:
+      # on every device of a stage's tensor group under SPMD).
+      "split": sorted(v.path for layout in model._tfpar_layouts  # pylint: disable=protected-access
+                      for v in layout.variables if v.axis is not None),
       "optimizer_bytes": memory.memory_report(model).optimizer,
       "parameter_bytes": memory.memory_report(model).parameters,
   })
@@ -61,7 +71,7 @@ def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage):
 def main():
   out_dir, cases = sys.argv[1], [_parse(case) for case in sys.argv[2:]]
   if "TF_CONFIG" not in os.environ:
-    tfpar.configure_virtual_cpus(max(d * p * t for _, d, p, t, _, _ in cases))
+    tfpar.configure_virtual_cpus(max(d * p * t for _, d, p, t, *_ in cases))
   for case in cases:
     _run(out_dir, *case)
 

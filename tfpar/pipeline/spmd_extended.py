@@ -41,10 +41,12 @@ from tfpar.tensor_parallel.spmd import reductions
 from tfpar.tensor_parallel.spmd import runs
 from tfpar.tensor_parallel.spmd import terms
 from tfpar.tensor_parallel.spmd import weights as weights_lib
+from tfpar.tensor_parallel.spmd import zero_hooks
 
 
 class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
                                    spmd_run.DeviceReplicaIds,
+                                   zero_hooks.ZeroHooks,
                                    reductions.PerDeviceReductions,
                                    extended_lib.PipelineParallelExtended):
   """The logic of `tfpar.PipelineParallelStrategy` with a tensor axis and
@@ -75,6 +77,8 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
     self._groups = self._stage_groups[0]
     self._first_replica = mesh.replicas.index(self._local_groups[0])
     self._paired = ()
+    self._sequence_parallel = False
+    self.partial_weights = _AllPartial(self._memos)
 
   def _clear_memos(self):
     for memo in self._memos:
@@ -137,7 +141,7 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
 
   def _adopt(self, optimizer, model):
     optimizer_lib.adopt(optimizer, model, self._groups,
-                        _AllPartial(self._memos))
+                        self.partial_weights)
 
   def runner(self, plan):
     """The `StageRunner` of the running trace: its column of every
@@ -162,3 +166,6 @@ class _AllPartial:
 
   def __contains__(self, key):
     return any(key in memo.partial_weights for memo in self._memos)
+
+  def __len__(self):
+    return sum(len(memo.partial_weights) for memo in self._memos)

@@ -71,8 +71,8 @@ def launcher(context, column=None):
   extended = context.strategy.extended
   index = distribute.local_replica_index(context)
   trace = getattr(extended, "zero_trace", None)  # SPMD: one per device.
-  position = trace() if trace else None
-  if position is not None:  # Its column's group, whatever the weight.
+  position = trace(column) if trace else None
+  if position is not None:  # The trace's column of the weight's devices.
     column, index = position
   column = column or None  # 0 and None: the replica heads.
   per_column = _zero_ops.setdefault(extended, {})

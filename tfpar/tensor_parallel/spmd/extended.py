@@ -168,3 +168,8 @@ class SpmdTensorParallelExtended(runs.PerDeviceRuns,
 
   def _clear_memos(self):
     self._memo.clear()
+
+  @property
+  def partial_weights(self):
+    """The weights whose gradient is partial on each device."""
+    return self._memo.partial_weights

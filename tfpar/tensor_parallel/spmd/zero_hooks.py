@@ -19,8 +19,9 @@ from tfpar.tensor_parallel.spmd import collectives
 
 
 class ZeroHooks:
-  """Mixin of `SpmdTensorParallelExtended` (needs `tensor_size`, `_groups`
-  and `_memo`)."""
+  """Mixin of `SpmdTensorParallelExtended` and `SpmdPipelineParallelExtended`
+  (needs `tensor_size`, `_groups`, `_sequence_parallel` and
+  `partial_weights`: the weights whose gradients are partial)."""
 
   @property
   def zero_traces_per_replica(self):
@@ -37,13 +38,20 @@ class ZeroHooks:
     over the group. Gathered weights then live until the backward pass."""
     return not self._sequence_parallel
 
-  def zero_trace(self):
-    """(tensor column, index among this worker's data replicas) of the
-    trace running now, or None outside a replica."""
+  def zero_trace(self, column=None):
+    """(the device column of ZeRO's group, index among this worker's data
+    replicas) of the trace running now, or None outside a replica.
+
+    Args:
+      column: the first device column of the weight's devices (0 here;
+        a pipeline stage's first under SPMD 3D); the trace's is that plus
+        its index in the tensor group.
+    """
     slot = collectives.current_slot()
     if slot is None:
       return None
-    return slot.tensor_index, slot.device_index // self.tensor_size
+    return ((column or 0) + slot.tensor_index,
+            slot.device_index // self.tensor_size)
 
   def zero_gather_columns(self, wholes):
     """Each of `wholes` (this trace's tensor column's whole vectors) as
@@ -70,7 +78,7 @@ class ZeroHooks:
       grads: this trace's gradients (None for a weight without one).
       variables: their Keras variables.
     """
-    partial = self._memo.partial_weights
+    partial = self.partial_weights
     if collectives.current_slot() is None or not partial:
       return grads
     return [
