@@ -240,3 +240,21 @@ def test_tensor_stages_whose_pipeline_crosses_workers_are_refused():
                      r"need each pipeline inside one worker: put the workers "
                      r"on the 'data' axis"):
     tfpar.PipelineParallelStrategy(mesh, num_microbatches=4)
+
+
+def test_spmd_stages_across_workers_are_refused_and_the_default_is_the_head():
+  """SPMD tensor-parallel stages run inside one worker only for now:
+  `spmd=True` on a mesh whose data axis spans workers is a ValueError
+  before any worker connects; the default there is the head design
+  (test_3d_across_two_workers_with_zero2_matches_one_device trains it)."""
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec({"worker": ["127.0.0.1:2000", "127.0.0.1:2001"]}),
+      task_type="worker", task_id=1)
+  mesh = tfpar.Mesh.from_cluster_resolver(resolver, data=2, pipeline=2,
+                                          tensor=2)
+  with pytest.raises(ValueError, match=r"spmd=True\) runs tensor-parallel "
+                     r"stages inside one worker only for now"):
+    tfpar.PipelineParallelStrategy(mesh, num_microbatches=4, spmd=True)
+  with pytest.raises(ValueError, match=r"spmd must be None, True or False"):
+    tfpar.PipelineParallelStrategy(tfpar.Mesh({"pipeline": 2, "tensor": 2}),
+                                   num_microbatches=2, spmd="yes")

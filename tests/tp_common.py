@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfpar
+from tfpar.pipeline import spmd_extended as pipeline_spmd
 from tfpar.tensor_parallel.spmd import extended as spmd_extended
 
 VOCAB = 32
@@ -177,4 +178,5 @@ def is_spmd(strategy):
   default unless TFPAR_TEST_SPMD_DEFAULT=0) rather than the head
   design."""
   return isinstance(strategy.extended,
-                    spmd_extended.SpmdTensorParallelExtended)
+                    (spmd_extended.SpmdTensorParallelExtended,
+                     pipeline_spmd.SpmdPipelineParallelExtended))

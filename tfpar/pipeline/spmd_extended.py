@@ -31,6 +31,8 @@ from tfpar.engine import spread
 from tfpar.pipeline import executor
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
+from tfpar.tensor_parallel import structure
+from tfpar.tensor_parallel import styles as tp_styles
 from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
@@ -77,6 +79,7 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
     self._groups = self._stage_groups[0]
     self._first_replica = mesh.replicas.index(self._local_groups[0])
     self._paired = ()
+    self._pairs = {}
     self._sequence_parallel = False
     self.partial_weights = _AllPartial(self._memos)
 
@@ -109,6 +112,7 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
     # Read before cutting: the stages' sub-models add nodes to the layers,
     # which hides the column -> row pairs.
     self._paired = layers_lib.paired_layers(model, layer_layouts)
+    self._pairs = _pairs(model, self._paired)
     terms.check(layer_layouts, self._paired, False)
 
   def _shard_stages(self, model, plan, layer_layouts):
@@ -119,6 +123,20 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
                 for stage in plan.stages}
     layout_bytes = lambda l: sum(np.prod(v.shape) for v in l.variables)
     strategy = self._container_strategy()
+    # A column -> row pair cut between stages exchanges whole activations
+    # (the stage models' inputs are whole): its column layers gather their
+    # outputs, its row layer slices its input, and so do the other pairs
+    # sharing those column layers (a residual stream of split outputs).
+    unpaired, changed = set(), True
+    while changed:
+      changed = False
+      for row, columns in self._pairs.items():
+        crossing = any(stage_of.get(id(c)) != stage_of.get(id(row))
+                       for c in columns)
+        if row not in unpaired and (crossing or unpaired & columns):
+          unpaired |= {row, *columns}
+          changed = True
+    paired = set(self._paired) - unpaired
     for index, layout in placement.interleaved(by_stage, layout_bytes):
       column = placement.stage_column(index, self.pipeline_size,
                                       self.tensor_size)
@@ -127,7 +145,7 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
           self.stage_variable_devices(column)):
         weights_lib.split_layer(layout, self.tensor_size, strategy,
                                 self._stage_groups[device])
-      layers_lib.install(layout, self._memos[device], self._paired)
+      layers_lib.install(layout, self._memos[device], paired)
       object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     for stage in plan.stages:
       dropout_lib.install(stage.model, by_stage[stage.index],
@@ -155,6 +173,22 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
                                       self.tensor_size) + column]
          for stage in plan.stages],
         self.schedule, self.recompute, self.virtual_stages)
+
+
+def _pairs(model, paired):
+  """{row-parallel layer: the column-parallel layers feeding it} of the
+  `paired` layers of `model` (each row layer traced with the column
+  layers alone)."""
+  found = structure.mlp_styles(model, list(paired))
+  columns = [l for l in paired
+             if isinstance(found.get(l), tp_styles.ColumnParallel)]
+  pairs = {}
+  for row in paired:
+    if isinstance(found.get(row), tp_styles.RowParallel):
+      alone = structure.mlp_styles(model, [row] + columns)
+      pairs[row] = {l for l in columns
+                    if isinstance(alone.get(l), tp_styles.ColumnParallel)}
+  return pairs
 
 
 class _AllPartial:

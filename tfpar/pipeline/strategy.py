@@ -76,6 +76,16 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     capacity_factor: with `expert`, None (drop nothing) or a positive
       number bounding each expert's tokens per micro-batch (see
       `tfpar.ExpertParallelStrategy`).
+    spmd: with a `tensor` axis, True: each replica's step is traced once
+      per tensor column, that trace running the whole schedule on its
+      column of every stage, so a stage's tensor-parallel reductions are
+      collectives of its tensor group and every device of it does the
+      replicated work (as `tfpar.TensorParallelStrategy`'s default).
+      False: the replica-head design (each stage's first device runs the
+      replicated work and reduces and broadcasts for the group). None
+      (the default): True on a mesh inside one worker, False on a mesh
+      across workers, where SPMD stages are not built yet (`spmd=True`
+      there is a `ValueError`). See docs/three_d.md.
 
   Raises:
     ValueError: a bad schedule, stages, num_microbatches or plan, a plan
@@ -119,10 +129,11 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
                stages="auto", recompute=False, plan=None,
                communication_options=None, virtual_stages=1,
                communication_dtype="float32", expert=None,
-               capacity_factor=None, spmd=False):
+               capacity_factor=None, spmd=None):
     experts.check_options(expert, capacity_factor, schedule, recompute)
-    if not isinstance(spmd, bool):
-      raise ValueError(f"spmd must be True or False. Received: spmd={spmd!r}")
+    if spmd is not None and not isinstance(spmd, bool):
+      raise ValueError(f"spmd must be None, True or False. Received: "
+                       f"spmd={spmd!r}")
     self._spmd = spmd
     self._expert = expert
     self._capacity_factor = capacity_factor
@@ -183,7 +194,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     if self._expert is not None:
       return expert_extended.ExpertPipelineExtended(
           self, mesh, self._expert, self._capacity_factor, **options)
-    if self._spmd and mesh.shape["tensor"] > 1:
+    if self._spmd is not False and mesh.shape["tensor"] > 1 and (
+        not mesh.is_multi_worker):
       return spmd_extended.SpmdPipelineParallelExtended(self, mesh, **options)
     return extended_lib.PipelineParallelExtended(self, mesh, **options)
 
@@ -191,6 +203,13 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     num_microbatches, schedule, _, _, virtual_stages = self._options
     schedules.check_interleaving(schedule, virtual_stages,
                                  mesh.shape["pipeline"], num_microbatches)
+    if self._spmd and mesh.shape["tensor"] > 1 and mesh.is_multi_worker:
+      raise ValueError(
+          "PipelineParallelStrategy(spmd=True) runs tensor-parallel stages "
+          "inside one worker only for now (across TF_CONFIG workers its "
+          "steps hang in a stage's tensor-group collective); this mesh "
+          "spans workers. Use spmd=False or leave spmd=None (the head "
+          "design across workers).")
     if self._plan is not None and mesh.shape["tensor"] == 1:
       raise ValueError(
           "plan splits layers over the mesh's tensor axis, but this mesh has "
