@@ -54,6 +54,10 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
   """The logic of `tfpar.PipelineParallelStrategy` with a tensor axis and
   `spmd=True` (arguments as `PipelineParallelExtended`'s)."""
 
+  # A stage's replicated weights live on every device of its tensor group
+  # (`describe` lists them there).
+  replicated_on_every_device = True
+
   def __init__(self, container_strategy, mesh, num_microbatches, schedule,
                stages, recompute, virtual_stages, plan,
                communication_options=None, float32_sums=False):
@@ -112,7 +116,8 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
     # Read before cutting: the stages' sub-models add nodes to the layers,
     # which hides the column -> row pairs.
     self._paired = layers_lib.paired_layers(model, layer_layouts)
-    self._pairs = _pairs(model, self._paired)
+    self._pairs = _pairs(model, [layout.layer for layout in layer_layouts
+                                 if layout.layer in self._paired])
     terms.check(layer_layouts, self._paired, False)
 
   def _shard_stages(self, model, plan, layer_layouts):
@@ -177,9 +182,10 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
 
 def _pairs(model, paired):
   """{row-parallel layer: the column-parallel layers feeding it} of the
-  `paired` layers of `model` (each row layer traced with the column
-  layers alone)."""
-  found = structure.mlp_styles(model, list(paired))
+  `paired` layers of `model`, in the plan's order (the order
+  `paired_layers` matched them in; each row layer is then traced with the
+  column layers alone)."""
+  found = structure.mlp_styles(model, paired)
   columns = [l for l in paired
              if isinstance(found.get(l), tp_styles.ColumnParallel)]
   pairs = {}

@@ -58,7 +58,9 @@ def describe(plan, model, strategy):
       rows.append((path, str(tuple(shape))) + tuple(elsewhere[path]))
       continue
     layout = by_path.get(path)
-    first = stage_of.get(path.split("/")[0], 0) * tensor_size
+    # Stages s, s + p, ... share a device (interleaved).
+    first = (stage_of.get(path.split("/")[0], 0) % mesh.shape["pipeline"]
+             ) * tensor_size
     if layout is None or layout.axis is None:
       style = layout.style if layout is not None else styles.REPLICATE
       if not isinstance(style, styles.Replicate):
