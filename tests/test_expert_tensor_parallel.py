@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import suite_scope
 import test_expert_parallel as ep
 import tfpar
 from tfpar.common import whole_weights
@@ -151,11 +152,15 @@ def test_qwen_moe_expert2_tensor2_trains_as_one_device():
               "ColumnParallel axis 1") in row for row in rows), rows
 
 
-def test_mixtral_expert1_tensor2_adam_trains_as_one_device():
+# With TFPAR_TEST_FULL=1: test_expert_layouts_precision trains expert 1 x
+# tensor 2 (the per-column expert-data all-reduce) under mixed_float16, and
+# test_expert_parallel checks Adam's saved state on expert layouts.
+@pytest.mark.parametrize("optimizer", suite_scope.cases([], ["adam"]))
+def test_mixtral_expert1_tensor2_adam_trains_as_one_device(optimizer):
   # expert 1: the experts are spread over each tensor group alone, and
   # their gradients summed over both data replicas (per tensor column).
-  reference, reference_losses = ep.train("mixtral", "adam")
-  model, losses = ep.train("mixtral", "adam", strategy(expert=1))
+  reference, reference_losses = ep.train("mixtral", optimizer)
+  model, losses = ep.train("mixtral", optimizer, strategy(expert=1))
   np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
   # Adam divides each gradient by its own running size, so rounding in
   # near-zero gradients grows (test_expert_parallel.py allows 2e-4 for

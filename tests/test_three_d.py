@@ -86,16 +86,18 @@ def _assert_stage_shards_on_stage_devices(result, tensor, spmd=False):
                                              for g in groups]
 
 
-# (data, schedule, ZeRO stage, design) on pipeline 2 x tensor 2: both
-# schedules, one and two replicas, ZeRO-3 (ZeRO-2 runs across workers and
-# under mixed policies below), SPMD (the default inside one worker);
-# TFPAR_TEST_FULL=1 adds 1F1B on one replica, GPipe with ZeRO-1, and the
-# head design on one host (the default across workers:
+# (data, schedule, ZeRO stage, design) on pipeline 2 x tensor 2: two
+# replicas, 1F1B, ZeRO-3 (ZeRO-2 runs across workers and under mixed
+# policies below), SPMD (the default inside one worker); TFPAR_TEST_FULL=1
+# adds one replica under each schedule (test_whole_weights and
+# test_precision_matrix's pipeline 2 x tensor 2 run one replica, and
+# test_pipeline every schedule without a tensor axis), GPipe with ZeRO-1,
+# and the head design on one host (the default across workers:
 # test_3d_across_two_workers_with_zero2_matches_one_device trains it).
 CASES = suite_scope.cases(
-    [(1, "gpipe", 0, "spmd"), (2, "1f1b", 3, "spmd")],
-    [(1, "1f1b", 0, "spmd"), (2, "gpipe", 1, "spmd"), (1, "gpipe", 0, "head"),
-     (2, "1f1b", 3, "head")])
+    [(2, "1f1b", 3, "spmd")],
+    [(1, "gpipe", 0, "spmd"), (1, "1f1b", 0, "spmd"), (2, "gpipe", 1, "spmd"),
+     (1, "gpipe", 0, "head"), (2, "1f1b", 3, "head")])
 
 
 @pytest.fixture(scope="module")

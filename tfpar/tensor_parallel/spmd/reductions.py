@@ -34,20 +34,29 @@ class PerDeviceReductions:
 
   def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
     """Without merge_call (gradient accumulation's update micro-step), a
-    trace all-reduces over the data replicas within its tensor column."""
+    trace all-reduces over the data replicas within the device column of
+    each value (its tensor column; under SPMD 3D, that column of the
+    value's stage)."""
     slot = collectives.current_slot()
     if slot is None or not self.merge_free_active():
       return super()._replica_ctx_all_reduce(reduce_op, value, options)
     flat = nest.flatten(value)
-    column = slot.tensor_index
-    ops = (self._cross_device_ops if column == 0 else
-           self.column_cross_device_ops(column))
     options = self._communication_options.merge(
         options or tf.distribute.experimental.CommunicationOptions())
-    reduced = distribute.all_reduce(ops, reduce_op, flat,
-                                    slot.device_index // self.tensor_size,
-                                    options)
-    return nest.pack_sequence_as(value, list(reduced))
+    by_column = {}
+    for index, item in enumerate(flat):
+      column = self.column_of(item)
+      by_column.setdefault(slot.tensor_index if column is None else column,
+                           []).append(index)
+    reduced = [None] * len(flat)
+    for column, indices in by_column.items():
+      ops = (self._cross_device_ops if column == 0 else
+             self.column_cross_device_ops(column))
+      for index, item in zip(indices, distribute.all_reduce(
+          ops, reduce_op, [flat[i] for i in indices],
+          slot.device_index // self.tensor_size, options)):
+        reduced[index] = item
+    return nest.pack_sequence_as(value, reduced)
 
   def _column_values(self, value, column):
     """The components of per-device `value` on the `column`-th device of
