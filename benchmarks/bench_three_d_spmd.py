@@ -28,7 +28,6 @@ Command (from the repository root):
 
 import argparse
 import os
-import statistics
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -80,36 +79,13 @@ def main(argv=None):
   models = {d: m for d, (_, m) in built.items()}
   for model in models.values():  # Warm up (traced above).
     gpt_bench.timed_fit(model, dataset, args)
-  times = common.alternating_times(
-      models, args.runs,
-      lambda name: gpt_bench.timed_fit(models[name], dataset, args))
-  ratio, paired = common.ratios(times["spmd"], times["head"])
-  print("\n| design | median step (ms) | min (ms) | max (ms) | runs | "
-        "matmul FLOPs / step | bytes sent / step | bound (ms) | "
-        "step / bound |")
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-  bound_rows = {}
-  for design, t in times.items():
-    collectives, copies, stats = measured[design]
-    flops = sum(c["matmul_flops"] for c in stats.values())
-    nbytes = sum(collectives.values()) + sum(copies.values())
-    _, _, bound = machine.bound(flops, nbytes)
-    median = statistics.median(t)
-    bound_rows[design] = {"flops": flops, "bytes": nbytes, "bound_s": bound,
-                          "ratio": median / bound}
-    print(f"| {design} | {median * 1e3:.2f} | {min(t) * 1e3:.2f} | "
-          f"{max(t) * 1e3:.2f} | {len(t)} | {flops / 1e6:,.1f} M | "
-          f"{nbytes:,} | {bound * 1e3:.2f} | {median / bound:.1f} |")
-  print(f"\nratio spmd / head: of the medians {ratio:.3f}, median of the "
-        f"per-run ratios {paired:.3f}")
-  common.write_json(args.output, {
-      "benchmark": "three_d_spmd",
-      "sent": {d: {"collectives": c, "copies": k}
-               for d, (c, k, _) in measured.items()},
-      "census": summary, "times": times, "ratio_of_medians": ratio,
-      "median_of_ratios": paired, "bound": bound_rows,
-      "machine": {"flops_per_second": machine.flops_per_second(),
-                  "copy_bytes_per_second": machine.bandwidth}})
+  result = per_device.timed_against_bound(
+      models, measured, args.runs,
+      lambda model: gpt_bench.timed_fit(model, dataset, args), machine)
+  common.write_json(args.output, dict(
+      result, benchmark="three_d_spmd", census=summary,
+      machine={"flops_per_second": machine.flops_per_second(),
+               "copy_bytes_per_second": machine.bandwidth}))
 
 
 if __name__ == "__main__":

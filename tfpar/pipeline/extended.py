@@ -148,6 +148,11 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
           self, [layout], self.tensor_size,
           first_column=placement.stage_column(index, self.pipeline_size,
                                               self.tensor_size))
+    self._sharded(model, plan, layer_layouts)
+
+  def _sharded(self, model, plan, layer_layouts):
+    """Records `model`'s layouts once its stages are split, and makes its
+    weight lists and optimizer speak whole weights."""
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     whole_weights.install(model)
     # The stage models are Models of their own over the same layers: their

@@ -25,7 +25,6 @@ counter) live on stage 0's devices.
 import numpy as np
 
 from tfpar._compat import spmd_run
-from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.pipeline import executor
@@ -155,12 +154,7 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
     for stage in plan.stages:
       dropout_lib.install(stage.model, by_stage[stage.index],
                           self._memos[stage.index % self.pipeline_size])
-    object.__setattr__(model, "_tfpar_layouts", layer_layouts)
-    whole_weights.install(model)
-    for stage in plan.stages:
-      whole_weights.install(stage.model)
-    if getattr(model, "optimizer", None) is not None:
-      self._adopt(model.optimizer, model)
+    self._sharded(model, plan, layer_layouts)
 
   def _adopt(self, optimizer, model):
     optimizer_lib.adopt(optimizer, model, self._groups,

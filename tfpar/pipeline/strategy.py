@@ -92,6 +92,7 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
       without a `tensor` axis, or tensor-parallel stages across workers;
       with `expert`: an expert size that does not divide the data size, a
       tensor axis, a mesh across workers, `"interleaved"`, `recompute`;
+      `spmd=True` with tensor-parallel stages on a mesh across workers;
       when the model is built, experts not divisible by `expert`.
 
   Example:
