@@ -17,9 +17,7 @@ group, the same column of the replicas of its expert rank.
 """
 
 from tfpar.engine import spread
-from tfpar.expert_parallel import context as context_lib
 from tfpar.expert_parallel import extended as expert_extended
-from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import tensor_extended
 from tfpar.tensor_parallel.spmd import extended as spmd_extended
 from tfpar.tensor_parallel.spmd import weights as spmd_weights
@@ -29,28 +27,14 @@ class ExpertSpmdTensorParallelExtended(
     tensor_extended.ExpertTensorLayout, expert_extended.ExpertSplitting,
     spmd_extended.SpmdTensorParallelExtended):
   """The logic of `tfpar.ExpertParallelStrategy` on a data x tensor mesh
-  (`spmd=True`).
+  (`spmd=True`; arguments as `ExpertTensorLayout`'s, each tensor group on
+  one worker)."""
 
-  Args:
-    container_strategy: the public strategy.
-    mesh: a `tfpar.Mesh` with data and tensor axes (pipeline 1; each
-      tensor group on one worker).
-    expert: the expert-group size (divides the data size).
-    capacity_factor: None or a positive number (see `routing.capacity`).
-    plan: a `tfpar.ShardingPlan` for the weights other than the experts.
-    communication_options: optional
-      `tf.distribute.experimental.CommunicationOptions`.
-  """
-
-  def __init__(self, container_strategy, mesh, expert, capacity_factor,
-               plan, communication_options=None):
-    groups = groups_lib.ExpertGroups(mesh.num_replicas, expert)
-    super().__init__(container_strategy, mesh, plan, communication_options,
-                     float32_sums=True)
-    columns = self.tensor_size
-    self._context = context_lib.MoEContext(
-        self, groups, capacity_factor, columns=columns,
-        stage_columns=range(columns), tensor_groups=self.tensor_groups)
+  def moe_context_options(self):
+    """Every device of a replica runs the MoE blocks and its own
+    experts."""
+    return {"stage_columns": range(self.tensor_size),
+            "tensor_groups": self.tensor_groups}
 
   def expert_slots(self):
     t = self.tensor_size

@@ -40,7 +40,27 @@ class ExpertTensorLayout:
   plan. Mixed in before `expert_extended.ExpertSplitting` and a tensor
   `StrategyExtended`, which provides `shard_model` and `_adopt`; a
   subclass gives `tensor_entries(optimizer, model)` (the optimizer's
-  variables, split slots whole)."""
+  variables, split slots whole) and `moe_context_options()` (how its
+  `MoEContext` runs experts on the tensor columns).
+
+  Args:
+    container_strategy: the public strategy.
+    mesh: a `tfpar.Mesh` with data and tensor axes (pipeline 1).
+    expert: the expert-group size (divides the data size).
+    capacity_factor: None or a positive number (see `routing.capacity`).
+    plan: a `tfpar.ShardingPlan` for the weights other than the experts.
+    communication_options: optional
+      `tf.distribute.experimental.CommunicationOptions`.
+  """
+
+  def __init__(self, container_strategy, mesh, expert, capacity_factor,
+               plan, communication_options=None):
+    groups = groups_lib.ExpertGroups(mesh.num_replicas, expert)
+    super().__init__(container_strategy, mesh, plan, communication_options,
+                     float32_sums=True)
+    self._context = context_lib.MoEContext(
+        self, groups, capacity_factor, columns=self.tensor_size,
+        **self.moe_context_options())
 
   preparation = ("shard it and split its experts, so its weights would stay "
                  "replicated")
@@ -96,26 +116,13 @@ class ExpertTensorParallelExtended(ExpertTensorLayout,
                                    expert_extended.ExpertSplitting,
                                    tensor_extended.TensorParallelExtended):
   """The logic of `tfpar.ExpertParallelStrategy(..., spmd=False)` on a
-  data x tensor mesh (the replica-head design).
+  data x tensor mesh (the replica-head design; arguments as
+  `ExpertTensorLayout`'s)."""
 
-  Args:
-    container_strategy: the public strategy.
-    mesh: a `tfpar.Mesh` with data and tensor axes (pipeline 1).
-    expert: the expert-group size (divides the data size).
-    capacity_factor: None or a positive number (see `routing.capacity`).
-    plan: a `tfpar.ShardingPlan` for the weights other than the experts.
-    communication_options: optional
-      `tf.distribute.experimental.CommunicationOptions`.
-  """
-
-  def __init__(self, container_strategy, mesh, expert, capacity_factor,
-               plan, communication_options=None):
-    groups = groups_lib.ExpertGroups(mesh.num_replicas, expert)
-    super().__init__(container_strategy, mesh, plan, communication_options,
-                     float32_sums=True)
-    self._context = context_lib.MoEContext(
-        self, groups, capacity_factor, columns=self.tensor_size,
-        on_column=self._on_column)
+  def moe_context_options(self):
+    """Each replica's head runs the MoE blocks and hands each column's
+    rows to its device."""
+    return {"on_column": self._on_column}
 
   def _on_column(self, column, fn, rows):
     """`fn(rows)` forward and backward on the running replica's device

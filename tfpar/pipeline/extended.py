@@ -140,19 +140,31 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     by_stage = {stage.index: [l for l in layer_layouts
                               if stage_of.get(id(l.layer)) == stage.index]
                 for stage in plan.stages}
+    shard = self._stage_layout_sharder(stage_of)
     # Interleaved over the stages: split weights created spread over every
     # device leave each about as fast as its shards arrive (engine/spread).
     layout_bytes = lambda l: sum(np.prod(v.shape) for v in l.variables)
     for index, layout in placement.interleaved(by_stage, layout_bytes):
+      shard(index, layout)
+    self._sharded(model, plan, layer_layouts, by_stage)
+
+  def _stage_layout_sharder(self, stage_of):
+    """`shard(stage index, layout)`: splits one layer over its stage's
+    tensor group (`stage_of`: {id(layer): its stage})."""
+    del stage_of
+
+    def shard(index, layout):
       tensor_parallel_extended.shard_layers(
           self, [layout], self.tensor_size,
           first_column=placement.stage_column(index, self.pipeline_size,
                                               self.tensor_size))
-    self._sharded(model, plan, layer_layouts)
+    return shard
 
-  def _sharded(self, model, plan, layer_layouts):
-    """Records `model`'s layouts once its stages are split, and makes its
-    weight lists and optimizer speak whole weights."""
+  def _sharded(self, model, plan, layer_layouts, by_stage):
+    """Records `model`'s layouts once its stages are split (`by_stage`:
+    {stage index: its layouts}), and makes its weight lists and optimizer
+    speak whole weights."""
+    del by_stage
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     whole_weights.install(model)
     # The stage models are Models of their own over the same layers: their

@@ -22,8 +22,6 @@ devices). Variables outside the stages (metrics, the optimizer's step
 counter) live on stage 0's devices.
 """
 
-import numpy as np
-
 from tfpar._compat import spmd_run
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
@@ -119,14 +117,9 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
                                  if layout.layer in self._paired])
     terms.check(layer_layouts, self._paired, False)
 
-  def _shard_stages(self, model, plan, layer_layouts):
-    """Splits each stage's layers over the stage's tensor group, SPMD."""
-    stage_of = plan.stage_of_layers()
-    by_stage = {stage.index: [l for l in layer_layouts
-                              if stage_of.get(id(l.layer)) == stage.index]
-                for stage in plan.stages}
-    layout_bytes = lambda l: sum(np.prod(v.shape) for v in l.variables)
-    strategy = self._container_strategy()
+  def _stage_layout_sharder(self, stage_of):
+    """`shard(stage index, layout)`: one layer split SPMD over its stage's
+    tensor groups."""
     # A column -> row pair cut between stages exchanges whole activations
     # (the stage models' inputs are whole): its column layers gather their
     # outputs, its row layer slices its input, and so do the other pairs
@@ -141,7 +134,9 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
           unpaired |= {row, *columns}
           changed = True
     paired = set(self._paired) - unpaired
-    for index, layout in placement.interleaved(by_stage, layout_bytes):
+    strategy = self._container_strategy()
+
+    def shard(index, layout):
       column = placement.stage_column(index, self.pipeline_size,
                                       self.tensor_size)
       device = index % self.pipeline_size
@@ -151,10 +146,13 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
                                 self._stage_groups[device])
       layers_lib.install(layout, self._memos[device], paired)
       object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
+    return shard
+
+  def _sharded(self, model, plan, layer_layouts, by_stage):
     for stage in plan.stages:
       dropout_lib.install(stage.model, by_stage[stage.index],
                           self._memos[stage.index % self.pipeline_size])
-    self._sharded(model, plan, layer_layouts)
+    super()._sharded(model, plan, layer_layouts, by_stage)
 
   def _adopt(self, optimizer, model):
     optimizer_lib.adopt(optimizer, model, self._groups,
