@@ -84,15 +84,17 @@ def data(model_name, count=BATCH * STEPS, seed=0):
   return x, np.tanh(x[:, :4] * 2).astype("float32")
 
 
-def dataset(x, y, batch=BATCH):
+def dataset(x, y, batch=BATCH, static_batch=True):
+  """Batches of `batch` rows; with `static_batch=False` their size is
+  unknown when the step is traced, as `dataset.batch(n)` makes them."""
   return tf.data.Dataset.from_tensor_slices((x, y)).batch(
-      batch, drop_remainder=True)
+      batch, drop_remainder=static_batch)
 
 
-def step_losses(model, x, y, epochs=2, callbacks=()):
+def step_losses(model, x, y, epochs=2, callbacks=(), static_batch=True):
   """Keras's logged loss after every optimizer step (the running mean of
   the epoch; equal running means mean equal per-step losses), fitting
-  with `callbacks` too."""
+  with `callbacks` too (`static_batch`: as `dataset`'s)."""
   losses = []
 
   class Record(keras.callbacks.Callback):
@@ -100,7 +102,8 @@ def step_losses(model, x, y, epochs=2, callbacks=()):
     def on_train_batch_end(self, batch, logs=None):
       losses.append(logs["loss"])
 
-  model.fit(dataset(x, y), epochs=epochs, verbose=0,
+  model.fit(dataset(x, y, static_batch=static_batch), epochs=epochs,
+            verbose=0,
             callbacks=[Record(), *callbacks])
   return np.array(losses)
 
@@ -132,15 +135,19 @@ def _trained_gpt(layout, sequence_parallel):
                                log=log)
 
 
-def worker_result(strategy, model, predict_count, callbacks=()):
-  """Fits `model` on the GPT data (with `callbacks`), then evaluates and
-  predicts held-out rows: the JSON-ready results a worker script writes."""
+def worker_result(strategy, model, predict_count, callbacks=(),
+                  static_batch=True):
+  """Fits `model` on the GPT data (with `callbacks`; `static_batch`: as
+  `dataset`'s), then evaluates and predicts held-out rows: the JSON-ready
+  results a worker script writes."""
   x, y = data("gpt")
-  losses = step_losses(model, x, y, callbacks=callbacks)
+  losses = step_losses(model, x, y, callbacks=callbacks,
+                       static_batch=static_batch)
   px, py = data("gpt", count=predict_count, seed=7)
   return {
       "num_replicas": strategy.num_replicas_in_sync,
       "groups": [list(g) for g in strategy.extended.replica_device_groups],
+      "extended": type(strategy.extended).__name__,
       "losses": losses.tolist(),
       "evaluate": model.evaluate(px, py, batch_size=8, verbose=0),
       "predict": model.predict(px, batch_size=8, verbose=0).tolist(),

@@ -2,7 +2,11 @@
 
 Trains tp_common's GPT under PipelineParallelStrategy with tensor-parallel
 stages, optionally with tfpar.ZeRO, once per case, and writes what each
-case saw to `OUT_DIR/<name>_worker<task>.json`. Alone it makes its own
+case saw to `OUT_DIR/<name>_worker<task>.json`. Its batches' size is
+unknown when the step is traced (`dataset.batch(n)`, as across workers),
+which keeps the loss's shape `Assert`s in the step: SPMD stages deadlocked
+on them until each trace's side effects were ordered on its own
+(`tfpar/_compat/side_effects.py`). Alone it makes its own
 virtual CPUs (as many as the largest case needs; each case takes the first
 ones), so several cases pay TensorFlow's start once; under `tfpar launch`
 the mesh spans the TF_CONFIG workers (data across them).
@@ -52,7 +56,7 @@ def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage,
     model = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
   callbacks = [tfpar.ZeRO(stage=zero_stage)] if zero_stage else []
   result = tp_common.worker_result(strategy, model, predict_count=16,
-                                   callbacks=callbacks)
+                                   callbacks=callbacks, static_batch=False)
   result.update({
       # The variables held (shards), not model.weights' whole weights.
       "devices": {v.path: [c.device for c in memory.components(v)]

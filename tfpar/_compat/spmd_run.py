@@ -30,6 +30,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import variable_scope
 from tensorflow.python.training import coordinator
 
+from tfpar._compat import side_effects as side_effects_lib
 from tfpar._compat.checks import require
 
 _THREAD = require(mirrored_run, "_MirroredReplicaThread",
@@ -110,6 +111,8 @@ def run_on_devices(distribution, fn, args, kwargs, devices, replica_ids):
     threads.append(thread)
   for thread in threads:
     thread.start()
+  side_effects = side_effects_lib.SideEffects(ops.get_default_graph(),
+                                              len(threads))
   # As mirrored_run._call_for_each_replica: run each thread to its next
   # merge_call (or its end), then run the merge function on the main thread.
   try:
@@ -117,10 +120,12 @@ def run_on_devices(distribution, fn, args, kwargs, devices, replica_ids):
       all_done = False
       while not all_done and not coord.should_stop():
         done = []
-        for thread in threads:
+        for index, thread in enumerate(threads):
+          side_effects.start()
           thread.should_run.set()
           thread.has_paused.wait()
           thread.has_paused.clear()
+          side_effects.end(index)
           if coord.should_stop():
             return None
           done.append(thread.done)
@@ -153,6 +158,7 @@ def run_on_devices(distribution, fn, args, kwargs, devices, replica_ids):
     for thread in threads:
       thread.should_run.set()
     coord.join(threads)
+  side_effects.order_per_device()
   return distribute_utils.regroup(tuple(t.main_result for t in threads))
 
 

@@ -80,19 +80,17 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
       per tensor column, that trace running the whole schedule on its
       column of every stage, so a stage's tensor-parallel reductions are
       collectives of its tensor group and every device of it does the
-      replicated work (as `tfpar.TensorParallelStrategy`'s default).
-      False: the replica-head design (each stage's first device runs the
-      replicated work and reduces and broadcasts for the group). None
-      (the default): True on a mesh inside one worker, False on a mesh
-      across workers, where SPMD stages are not built yet (`spmd=True`
-      there is a `ValueError`). See docs/three_d.md.
+      replicated work (as `tfpar.TensorParallelStrategy`'s default), on
+      one worker or across `TF_CONFIG` workers. False: the replica-head
+      design (each stage's first device runs the replicated work and
+      reduces and broadcasts for the group). None (the default): True.
+      See docs/three_d.md.
 
   Raises:
     ValueError: a bad schedule, stages, num_microbatches or plan, a plan
       without a `tensor` axis, or tensor-parallel stages across workers;
       with `expert`: an expert size that does not divide the data size, a
       tensor axis, a mesh across workers, `"interleaved"`, `recompute`;
-      `spmd=True` with tensor-parallel stages on a mesh across workers;
       when the model is built, experts not divisible by `expert`.
 
   Example:
@@ -195,8 +193,7 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     if self._expert is not None:
       return expert_extended.ExpertPipelineExtended(
           self, mesh, self._expert, self._capacity_factor, **options)
-    if self._spmd is not False and mesh.shape["tensor"] > 1 and (
-        not mesh.is_multi_worker):
+    if self._spmd is not False and mesh.shape["tensor"] > 1:
       return spmd_extended.SpmdPipelineParallelExtended(self, mesh, **options)
     return extended_lib.PipelineParallelExtended(self, mesh, **options)
 
@@ -204,13 +201,6 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     num_microbatches, schedule, _, _, virtual_stages = self._options
     schedules.check_interleaving(schedule, virtual_stages,
                                  mesh.shape["pipeline"], num_microbatches)
-    if self._spmd and mesh.shape["tensor"] > 1 and mesh.is_multi_worker:
-      raise ValueError(
-          "PipelineParallelStrategy(spmd=True) runs tensor-parallel stages "
-          "inside one worker only for now (across TF_CONFIG workers its "
-          "steps hang in a stage's tensor-group collective); this mesh "
-          "spans workers. Use spmd=False or leave spmd=None (the head "
-          "design across workers).")
     if self._plan is not None and mesh.shape["tensor"] == 1:
       raise ValueError(
           "plan splits layers over the mesh's tensor axis, but this mesh has "
