@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfpar._compat import keras_layers
 from tfpar._compat.tf_modules import resource_variable_ops
+from tfpar.common import clipping
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.zero import slices
@@ -128,6 +129,9 @@ class DataParallelExtended(engine_extended.MeshExtended):
     return getattr(model, "_tfpar_zero_weights", None) is not None
 
   def prepare_model(self, model):
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+      clipping.clip_after_all_reduce(optimizer)
     if self._zero is None:
       return
     if model.built:

@@ -81,6 +81,9 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
   def column_scopes(self, block):
     return [self.variables_on_column(self.first_column(block))]
 
+  # Its experts' optimizer (`expert_optimizer.adopt`) decides the clipping.
+  clips_after_sum = False
+
   def prepare_model(self, model):
     super().prepare_model(model)
     optimizer = getattr(model, "optimizer", None)

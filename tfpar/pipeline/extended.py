@@ -14,6 +14,7 @@ among the s-th devices of the replicas.
 import numpy as np
 
 from tfpar import batches
+from tfpar.common import clipping
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
@@ -84,10 +85,18 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     finally:
       self._cutting = False
 
+  # Without a tensor axis the optimizer clips after the sum over replicas
+  # (with one, `_adopt` installs that clipping by whole weights).
+  clips_after_sum = True
+
   def prepare_model(self, model):
+    optimizer = getattr(model, "optimizer", None)
+    if self.tensor_size == 1 and self.clips_after_sum and (
+        optimizer is not None):
+      clipping.clip_after_all_reduce(optimizer)
     if self.is_prepared(model) and self.tensor_size > 1 and (
-        getattr(model, "optimizer", None) is not None):
-      self._adopt(model.optimizer, model)
+        optimizer is not None):
+      self._adopt(optimizer, model)
     if not model.built or self.is_prepared(model):
       return
     steps_lib.check_model(model)

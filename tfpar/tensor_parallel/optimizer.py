@@ -9,13 +9,10 @@
 """
 
 import numpy as np
-from keras import ops
 
 from tfpar._compat import keras_layers
-from tfpar._compat import keras_optimizers
-from tfpar._compat.keras_modules import base_optimizer
+from tfpar.common import clipping
 from tfpar.common import optimizer_checkpoint
-from tfpar.common.clipping import clip_by_norm_of
 from tfpar.common.split_weights import logical_entries
 from tfpar.common.split_weights import sharded_weights
 from tfpar.engine import whole_state
@@ -90,33 +87,4 @@ def _shard_groups(model):
 
 
 def _install_logical_clipping(optimizer, model):
-  # Under mixed_float16 the LossScaleOptimizer's inner optimizer holds the
-  # clipping settings and sums (and clips) the unscaled gradients.
-  optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-  original_all_reduce = keras_optimizers.all_reduce_sum_gradients(optimizer)
-  if not (optimizer.clipnorm or optimizer.global_clipnorm or
-          optimizer.clipvalue):
-    return
-
-  def all_reduce_then_clip(grads_and_vars):
-    pairs = list(original_all_reduce(grads_and_vars))
-    grads = [g for g, _ in pairs]
-    if optimizer.clipnorm and optimizer.clipnorm > 0:
-      groups = _shard_groups(model)
-      keys = [groups.get(id(v), id(v)) for _, v in pairs]
-      sums = {}
-      for key, grad in zip(keys, grads):
-        if grad is not None:
-          sums[key] = sums.get(key, 0.0) + ops.sum(ops.square(grad))
-      grads = [None if g is None else clip_by_norm_of(g, sums[k],
-                                                       optimizer.clipnorm)
-               for g, k in zip(grads, keys)]
-    elif optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
-      grads = base_optimizer.clip_by_global_norm(grads,
-                                                 optimizer.global_clipnorm)
-    elif optimizer.clipvalue and optimizer.clipvalue > 0:
-      v = optimizer.clipvalue
-      grads = [None if g is None else ops.clip(g, -v, v) for g in grads]
-    return [(g, v) for g, (_, v) in zip(grads, pairs)]
-
-  keras_optimizers.clip_after_all_reduce(optimizer, all_reduce_then_clip)
+  clipping.clip_after_all_reduce(optimizer, lambda: _shard_groups(model))
