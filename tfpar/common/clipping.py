@@ -7,7 +7,7 @@ over replicas (`_clip_gradients` runs before `_all_reduce_sum_gradients`),
 so under stock `MirroredStrategy` a replica's half-batch gradient is
 clipped by its own norm: not the model one device trains (measured on
 tp_common's MLP, Adam with `clipnorm=0.05`, float32: 1.1e-2 in losses over
-12 steps on 2 replicas). TensorFlow's team called clipping before the sum
+24 steps on 2 replicas). TensorFlow's team called clipping before the sum
 "usually wrong" and had tf.keras refuse clipping under a strategy
 (tensorflow/tensorflow#33929); Keras 3 clips silently.
 """
