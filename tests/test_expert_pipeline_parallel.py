@@ -258,3 +258,19 @@ def test_experts_not_divisible_fail_when_built():
                      r"expert=2"):
     with layout.scope():
       language_model(num_experts=3)
+
+
+@pytest.mark.parametrize("clipping", [{"clipvalue": 0.1}])
+def test_clipping_is_refused_before_the_first_step(clipping):
+  """Keras would clip each replica's gradient before the sum: refused,
+  with the optimizer still unbuilt (no step ran). `clipnorm` and
+  `global_clipnorm` take the same check."""
+  layout = strategy("1f1b")
+  optimizer = keras.optimizers.SGD(0.01, **clipping)
+  name = next(iter(clipping))
+  with pytest.raises(ValueError, match=rf"has {name}=.*does not clip the "
+                     r"summed gradient as one device does yet"):
+    with layout.scope():  # Models compiled in the scope: checked on leaving.
+      model = language_model()
+      model.compile(optimizer=optimizer, loss=_loss())
+  assert not optimizer.built

@@ -81,12 +81,14 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
   def column_scopes(self, block):
     return [self.variables_on_column(self.first_column(block))]
 
-  # Its experts' optimizer (`expert_optimizer.adopt`) decides the clipping.
+  # Clipping is refused here (`_check_clipping`), not moved after the sum.
   clips_after_sum = False
 
   def prepare_model(self, model):
-    super().prepare_model(model)
     optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+      _check_clipping(optimizer)
+    super().prepare_model(model)
     if self.is_prepared(model) and optimizer is not None:
       expert_optimizer.adopt(optimizer, self._context)
 
@@ -114,3 +116,19 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
       rows[weight.path] = row
       rows[weight.variable.path] = row  # What the plan resolves: skipped.
     return rows
+
+
+def _check_clipping(optimizer):
+  """Raises for gradient clipping, which expert x pipeline leaves to Keras:
+  each replica's gradient clipped before the sum over replicas, not the
+  model one device trains."""
+  inner = getattr(optimizer, "inner_optimizer", optimizer)
+  for name in ("clipnorm", "global_clipnorm", "clipvalue"):
+    if getattr(inner, name, None):
+      raise ValueError(
+          f"Optimizer {inner.name!r} has {name}={getattr(inner, name)}: "
+          f"PipelineParallelStrategy(expert=...) does not clip the summed "
+          f"gradient as one device does yet (Keras would clip each "
+          f"replica's own gradient before the sum). Remove {name}, or "
+          f"split experts without a pipeline axis "
+          f"(tfpar.ExpertParallelStrategy clips as one device does).")
