@@ -81,12 +81,9 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
   def column_scopes(self, block):
     return [self.variables_on_column(self.first_column(block))]
 
-  # Clipping is refused here (`_check_clipping`), not moved after the sum.
-  clips_after_sum = False
-
   def prepare_model(self, model):
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
+    if optimizer is not None:  # Before the pipeline would clip after sums.
       _check_clipping(optimizer)
     super().prepare_model(model)
     if self.is_prepared(model) and optimizer is not None:

@@ -85,14 +85,11 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     finally:
       self._cutting = False
 
-  # Without a tensor axis the optimizer clips after the sum over replicas
-  # (with one, `_adopt` installs that clipping by whole weights).
-  clips_after_sum = True
-
   def prepare_model(self, model):
     optimizer = getattr(model, "optimizer", None)
-    if self.tensor_size == 1 and self.clips_after_sum and (
-        optimizer is not None):
+    # Without a tensor axis the optimizer clips after the sum over replicas
+    # (with one, `_adopt` installs that clipping by whole weights).
+    if self.tensor_size == 1 and optimizer is not None:
       clipping.clip_after_all_reduce(optimizer)
     if self.is_prepared(model) and self.tensor_size > 1 and (
         optimizer is not None):
