@@ -60,7 +60,7 @@ def strategy_and_callbacks(layout):
   # float32 (the default adds partial sums in float32).
   return (tfpar.TensorParallelStrategy(
       tfpar.Mesh({"data": 2, "tensor": 2}), plan=plan,
-      communication_dtype="compute", spmd=False), lambda: [])  # As measured.
+      communication_dtype="compute"), lambda: [])
 
 
 def sent_bytes(log):

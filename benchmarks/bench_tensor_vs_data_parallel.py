@@ -185,7 +185,7 @@ def main(argv=None):
   strategies = {
       TP_NAME: tfpar.TensorParallelStrategy(
           tfpar.Mesh({"data": NUM_DEVICES // TENSOR, "tensor": TENSOR}),
-          plan=plan, spmd=False),  # The design BENCHMARKS.md measured.
+          plan=plan),
       DP_NAME: tfpar.DataParallelStrategy(tfpar.Mesh({"data": NUM_DEVICES})),
   }
   dataset = token_dataset(args)

@@ -16,21 +16,6 @@ _CPU = pytest.StashKey[dict]()
 tfpar.configure_virtual_cpus(NUM_TEST_DEVICES)
 
 
-def _head_design_by_default():
-  """With TFPAR_TEST_SPMD_DEFAULT=0, `TensorParallelStrategy` defaults to
-  `spmd=False` (the replica-head design) in this run: the whole suite's
-  tensor-parallel tests on the design users choose with `spmd=False`."""
-  init = tfpar.TensorParallelStrategy.__init__
-  names = init.__code__.co_varnames[:init.__code__.co_argcount]
-  defaults = dict(zip(names[-len(init.__defaults__):], init.__defaults__))
-  defaults["spmd"] = False
-  init.__defaults__ = tuple(defaults.values())
-
-
-if os.environ.get("TFPAR_TEST_SPMD_DEFAULT") == "0":
-  _head_design_by_default()
-
-
 def _cpu_seconds():
   """CPU seconds of this process and of its finished child processes (the
   workers a multi-worker test starts)."""

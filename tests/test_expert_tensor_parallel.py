@@ -1,6 +1,6 @@
 """Expert x tensor parallelism: `tfpar.ExpertParallelStrategy` on a
 data 2 x tensor 2 mesh, keras-hub's Mixtral and Qwen-MoE against one
-device, SPMD (the default) and the head design (`spmd=False`).
+device.
 
 Attention, MLPs and embeddings are split over the tensor axis as
 `TensorParallelStrategy` splits them; each MoE layer's experts are spread
@@ -127,17 +127,6 @@ def test_every_device_exchanges_only_its_own_experts_rows(mixtral_sgd):
                   for phase in ("forward", "backward")}, sent
 
 
-def test_the_head_design_trains_as_one_device_and_as_spmd(mixtral_sgd):
-  # spmd=False: each replica's first device routes and forwards every
-  # column's rows to it.
-  (reference, reference_losses), (spmd_model, spmd_losses), *_ = mixtral_sgd
-  model, losses = ep.train("mixtral", "sgd", strategy(expert=2, spmd=False))
-  np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
-  assert ep.max_weight_difference(model, reference) < 1e-5
-  assert np.abs(losses - spmd_losses).max() < 1e-6
-  assert ep.max_weight_difference(model, spmd_model) < 1e-6
-
-
 def test_qwen_moe_expert2_tensor2_trains_as_one_device():
   reference, reference_losses = ep.train("qwen_moe", "sgd")
   layout = strategy(expert=2)
@@ -186,7 +175,7 @@ def _attention_moe_model(heads):
     (lambda: _attention_moe_model(heads=3),
      r"num_heads = 3 is not divisible by the mesh's tensor size 2"),
     (lambda: ep.language_model("mixtral", router_jitter_noise=0.1),
-     r"router_jitter_noise=0.1: under ExpertParallelStrategy\(spmd=True\) "
+     r"router_jitter_noise=0.1: under expert x tensor parallelism "
      r"every device of a tensor group routes its own copy"),
 ])
 def test_bad_models_fail_when_built_before_any_work(build, message):

@@ -17,7 +17,6 @@ import precision_common
 import stock_strategies
 import suite_scope
 import tfpar
-import tp_common
 
 STEPS_PER_EPOCH, EPOCHS, BATCH = 6, 3, 16
 
@@ -146,15 +145,14 @@ def test_gradients_cross_replicas_once_per_optimizer_step(layout):
     # Each replica's devices send its split weights' gradients (the
     # pairs' kernels, the column layers' biases) once between them, in one
     # all-reduce per device; the replicated ones (the row layers' biases,
-    # the head) go from the head (head design) or every device (spmd).
+    # the head) go from every device.
     model = _chain()
     size = lambda w: int(np.prod(w.shape)) * 4
     split = sum(size(model.get_layer(f"b{b}_{part}").kernel)
                 for b in range(2) for part in ("in", "out"))
     split += sum(size(model.get_layer(f"b{b}_in").bias) for b in range(2))
     replicated = sum(w.size * 4 for w in model.get_weights()) - split
-    copies = 2 if tp_common.is_spmd(LAYOUTS[layout]()) else 1
-    assert per_step[0] == (4, 2 * (split + copies * replicated)), per_step
+    assert per_step[0] == (4, 2 * (split + 2 * replicated)), per_step
   print(f"{layout}: per optimizer step {per_step[0][0]:.0f} all-reduces, "
         f"{per_step[0][1]:.0f} bytes (all replicas); accumulation k=2: "
         f"{counts[2][0]} all-reduces over {micro_steps} micro-steps, "

@@ -8,7 +8,6 @@ import pytest
 import hub_common
 import suite_scope
 import tfpar
-import tp_common
 
 LAYOUTS = {"data2_tensor2": {"data": 2, "tensor": 2},
            "tensor4": {"data": 1, "tensor": 4}}
@@ -97,10 +96,7 @@ def test_gated_mlp_keeps_its_activations_split():
     model.predict(x, batch_size=hub_common.BATCH, verbose=0)
   kinds = {kind for kind, _ in log.counts()}
   assert "scatter" not in kinds, kinds
-  if not tp_common.is_spmd(strategy):
-    assert "reduce" in kinds  # Partial sums onto the head.
-    return
-  # SPMD: the down projection all-reduces its partial sums; the gate and
+  # The down projection all-reduces its partial sums; the gate and
   # up projections' outputs move nowhere (`f` is the identity forward).
   moved = {(r.kind, r.layer) for r in log.step_records(0)}
   assert ("all-reduce", "feedforward_output_dense") in moved, moved

@@ -26,14 +26,14 @@ whole bias (`rounding.add_bias`): one head's slice of a [heads, head_dim]
 bias would otherwise be a BiasAdd, whose bfloat16 gradient accumulates in
 bfloat16, where one device's AddV2 sums in float32.
 
-The one-step tests run both designs (`spmd=True` too), with the same
-bounds: before spmd gave each split projection its own float32 copy of
+The one-step bounds were first met by the retired replica-head design;
+before SPMD gave each split projection its own float32 copy of
 its input, summed a shared key/value head's gradients on one device
 (after its rotary embedding) and took the untied output table's logits
 in float32 as Keras's Embedding does, its Llama gradients were 2.5x
 Mirrored's distance from one device (bfloat16, data 2 x tensor 2) and its
-first loss was not one device's; now its gradients are the head design's
-bit for bit (Qwen2 included)."""
+first loss was not one device's; then its gradients were the head
+design's bit for bit (Qwen2 included)."""
 
 import functools
 
@@ -58,24 +58,23 @@ class GradientWriter(keras.optimizers.SGD):
     variable.assign(tf.cast(gradient, variable.dtype))
 
 
-def _strategy(layout, spmd=False):
+def _strategy(layout):
   if layout is None:
     return None
   if layout == "mirrored2":
     return stock_strategies.mirrored(tfpar.Mesh().devices[:2])
   return tfpar.TensorParallelStrategy(tfpar.Mesh(
       {"data2_tensor2": {"data": 2, "tensor": 2},
-       "tensor4": {"data": 1, "tensor": 4}}[layout]), spmd=spmd)
+       "tensor4": {"data": 1, "tensor": 4}}[layout]))
 
 
 @functools.lru_cache(maxsize=None)
-def _one_step(policy, layout=None, family="llama", seed=1, spmd=False):
+def _one_step(policy, layout=None, family="llama", seed=1):
   """(first loss, [gradient of every weight, whole, in model.weights order],
-  the step's CommunicationLog) on one device (`layout` None) or a layout
-  (`spmd`: TensorParallelStrategy's design)."""
+  the step's CommunicationLog) on one device (`layout` None) or a layout."""
   keras.mixed_precision.set_global_policy(policy)
   try:
-    strategy = _strategy(layout, spmd)
+    strategy = _strategy(layout)
     with strategy.scope() if strategy else tf.init_scope():
       model = hub_common.language_model(family, seed=seed)
       model.compile(optimizer=GradientWriter(1.0),
@@ -94,17 +93,11 @@ def _relative(a, b, scale):
   return np.linalg.norm(a - b) / max(np.linalg.norm(scale), 1e-30)
 
 
-# The head design (spmd=False) under mixed_float16 with TFPAR_TEST_FULL=1:
-# the precision matrix's pipeline 2 x tensor 2 row runs its tensor stages
-# under mixed_float16, and its mixed_bfloat16 cell runs here.
-@pytest.mark.parametrize("policy,spmd", suite_scope.cases(
-    [("mixed_bfloat16", False), ("mixed_bfloat16", True),
-     ("mixed_float16", True)],
-    [("mixed_float16", False)]))
-def test_one_step_gradients_round_as_one_device(policy, spmd):
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_one_step_gradients_round_as_one_device(policy):
   one = _one_step(policy)
   mirrored = _one_step(policy, "mirrored2")
-  tensor = _one_step(policy, "data2_tensor2", spmd=spmd)
+  tensor = _one_step(policy, "data2_tensor2")
   assert tensor[0] == one[0]  # The forward rounds as one device's.
   for t, m, o in zip(tensor[1], mirrored[1], one[1]):
     if policy == "mixed_bfloat16":
@@ -118,11 +111,10 @@ def test_one_step_gradients_round_as_one_device(policy, spmd):
       assert _relative(t, o, o) <= _relative(m, o, o) + 5e-4
 
 
-@pytest.mark.parametrize("spmd", [False, True])
-def test_shared_key_value_heads_round_as_one_device(spmd):
+def test_shared_key_value_heads_round_as_one_device():
   # Tensor 4, one replica: its gradients are one device's (the same batch).
   one = _one_step("mixed_bfloat16")
-  tensor = _one_step("mixed_bfloat16", "tensor4", spmd=spmd)
+  tensor = _one_step("mixed_bfloat16", "tensor4")
   assert tensor[0] == one[0]
   for t, o in zip(tensor[1], one[1]):
     # Measured (seeds 1-3): at most 3.1% of a weight's elements, 6.1e-4 of
@@ -132,8 +124,7 @@ def test_shared_key_value_heads_round_as_one_device(spmd):
     assert _relative(t, o, o) <= 1.5e-3
 
 
-@pytest.mark.parametrize("spmd", [False, True])
-def test_head_biases_round_as_one_device(spmd):
+def test_head_biases_round_as_one_device():
   # Qwen2's query/key/value biases are [heads, head_dim]: one device's
   # `ops.add` is an AddV2, whose bias gradient is a Sum accumulating in
   # float32. One head's slice (tensor 4) squeezes to a vector, for which
@@ -144,8 +135,7 @@ def test_head_biases_round_as_one_device(spmd):
   # 1: last-bit flips of the layer-0 gradients, from float32 sums added in
   # another order, which the near-cancelling bias sums amplify).
   one = _one_step("mixed_bfloat16", family="qwen2", seed=2)
-  tensor = _one_step("mixed_bfloat16", "tensor4", family="qwen2", seed=2,
-                     spmd=spmd)
+  tensor = _one_step("mixed_bfloat16", "tensor4", family="qwen2", seed=2)
   assert tensor[0] == one[0]
   for t, o in zip(tensor[1], one[1]):
     assert np.mean(t != o) <= 0.1

@@ -76,25 +76,9 @@ def test_shards_live_on_their_devices():
   # devices (shard 0's by the replica heads' own).
   assert set(strategy.extended._column_ops) == {1}  # pylint: disable=protected-access
   kernel = model.get_layer("block0_mlp_in")._kernel  # pylint: disable=protected-access
-  if tp_common.is_spmd(strategy):
-    _check_spmd_shards(model, kernel, groups)
-    return
-  assert isinstance(kernel, tfpar.ShardedWeight)
-  assert kernel.shape == (16, 64)
-  for index, shard in enumerate(kernel.shards):
-    assert shard.shape == (16, 32)
-    assert [c.device for c in shard._value.values] == [  # pylint: disable=protected-access
-        g[index] for g in groups]
-    for slot in model.optimizer.variables:
-      if slot.name.startswith(shard.path.replace("/", "_") + "_"):
-        assert [c.device for c in slot._value.values] == [  # pylint: disable=protected-access
-            g[index] for g in groups]
-
-
-def _check_spmd_shards(model, kernel, groups):
-  """spmd=True: the layer's kernel is one variable of the shard's shape
-  whose component on the k-th device of every group holds shard k of the
-  whole weight; its Adam slots have the same components."""
+  # The layer's kernel is one variable of the shard's shape whose
+  # component on the k-th device of every group holds shard k of the whole
+  # weight; its Adam slots have the same components.
   devices = [d for group in groups for d in group]
   t = len(groups[0])
   whole = kernel._tfpar_shard_of[0]  # pylint: disable=protected-access
@@ -139,19 +123,12 @@ def test_backward_runs_on_the_shard_devices():
   # matmuls of its own shards (dW and dx of each), none on another device.
   counts = [len(matmuls.get(d, [])) for d in devices]
   assert counts == [counts[0]] * 4, matmuls.keys()
-  if tp_common.is_spmd(strategy):
-    # Every device traces the step on its shards: 4 forward matmuls, 4
-    # kernel gradients and 3 input gradients (the first layer's input is
-    # the data), nowhere else.
-    gradient_matmuls = [n for d in devices for n in matmuls[d]
-                        if "grad" in n.lower()]
-    assert counts == [11] * 4 and len(gradient_matmuls) == 7 * 4, matmuls
-    assert sum(counts) == sum(len(v) for v in matmuls.values())
-    return
-  assert counts[0] >= 3 * 4
+  # Every device traces the step on its shards: 4 forward matmuls, 4
+  # kernel gradients and 3 input gradients (the first layer's input is the
+  # data), nowhere else.
   gradient_matmuls = [n for d in devices for n in matmuls[d]
-                      if "gradient" in n.lower() or "grad" in n.lower()]
-  assert len(gradient_matmuls) >= 4 * 2 * 4
+                      if "grad" in n.lower()]
+  assert counts == [11] * 4 and len(gradient_matmuls) == 7 * 4, matmuls
   assert sum(counts) == sum(len(v) for v in matmuls.values())
 
 
@@ -165,34 +142,11 @@ def test_megatron_communication_per_step(layout):
   embeddings = 2  # Token and position tables, vocabulary-parallel.
   batch = tp_common.BATCH // layout["data"]
   activation = batch * tp_common.SEQUENCE * tp_common.WIDTH * 4
-  if tp_common.is_spmd(run.strategy):
-    _check_spmd_all_reduces(log, run.strategy, blocks, embeddings,
-                            activation)
-    return
-  # Per block Megatron's 2 all-reduces forward and 2 backward; each is a
-  # reduce onto the head and a broadcast from it. No gathers at all.
-  assert log.counts() == {
-      ("broadcast", "forward"): 2 * blocks + embeddings,
-      ("reduce", "forward"): 2 * blocks + embeddings,
-      ("broadcast", "backward"): 2 * blocks + embeddings,
-      ("reduce", "backward"): 2 * blocks,
-  }
-  ids = batch * tp_common.SEQUENCE * 4
-  assert log.bytes() == {
-      ("broadcast", "forward"): (t - 1) * (2 * blocks * activation +
-                                           embeddings * ids),
-      ("reduce", "forward"): (t - 1) * (2 * blocks + embeddings) * activation,
-      ("broadcast", "backward"): (t - 1) * (2 * blocks + embeddings) *
-                                 activation,
-      ("reduce", "backward"): (t - 1) * 2 * blocks * activation,
-  }
-
-
-def _check_spmd_all_reduces(log, strategy, blocks, embeddings, activation):
-  """spmd=True: each of the t devices of a group runs Megatron's
-  all-reduces among the group (2 per block and the embeddings' forward,
-  2 per block backward) plus one of global_clipnorm's squared norm (a
-  float32 scalar), sending 2 (t - 1) / t of each in the ring."""
+  # Each of the t devices of a group runs Megatron's all-reduces among
+  # the group (2 per block and the embeddings' forward, 2 per block
+  # backward) plus one of global_clipnorm's squared norm (a float32
+  # scalar), sending 2 (t - 1) / t of each in the ring.
+  strategy = run.strategy
   t = strategy.extended.tensor_size
   records = log.step_records()
   assert sorted({r.tensor.device for r in records}) == sorted(
@@ -261,15 +215,13 @@ def test_memory_report_splits_sharded_weights_and_slots():
                 for n in ("pair1_in", "pair1_out", "pair2_in", "pair2_out"))
   sharded += 4 * (64 + 32)
   replicated = sum(one_device.parameters.values()) - sharded
-  # The head design keeps replicated weights, the step counter and the
-  # learning rate on the head only; spmd=True on every device.
-  everywhere = tp_common.is_spmd(strategy)
+  # Replicated weights, the step counter and the learning rate are on
+  # every device.
   extra = sum(one_device.optimizer.values()) - 2 * (sharded + replicated)
   assert extra > 0
-  for index, device in enumerate(devices):
-    holds = index == 0 or everywhere
-    expected = sharded // 4 + (replicated if holds else 0)
+  for device in devices:
+    expected = sharded // 4 + replicated
     assert report.parameters[device] == expected
     # Adam: two slots per weight.
     slots = 2 * expected
-    assert report.optimizer[device] - slots == (extra if holds else 0)
+    assert report.optimizer[device] - slots == extra

@@ -1,10 +1,9 @@
 """TensorParallelStrategy across 2 TF_CONFIG workers x 2 virtual CPUs:
 tensor 2 inside each worker, data 2 across them, equal to one device:
-`spmd=True` (the default: every device tracing the step), here under
-`tfpar.ZeRO(stage=2)`: each tensor column's optimizer state sliced across
-the workers, gathered to save it whole. `TFPAR_TEST_FULL=1` adds the head
-design (`spmd=False`, the group's head running replicated work) and ZeRO
-stage 3, whose weights are sliced across the workers too."""
+every device tracing the step, here under `tfpar.ZeRO(stage=2)`: each
+tensor column's optimizer state sliced across the workers, gathered to
+save it whole. `TFPAR_TEST_FULL=1` adds ZeRO stage 3, whose weights are
+sliced across the workers too."""
 
 import json
 import os
@@ -21,17 +20,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "tp_worker.py")
 LAUNCH_TIMEOUT = 300
 
 
-# design -> the worker's arguments.
-DESIGNS = {"head": ["head"], "spmd": ["spmd", "zero2"],
-           "spmd-zero3": ["spmd", "zero3"]}
-
-
-# The head design (spmd=False) with TFPAR_TEST_FULL=1: test_three_d runs
-# it across two workers (the pipeline's tensor stages use it).
-@pytest.mark.parametrize("design", suite_scope.cases(
-    ["spmd"], ["head", "spmd-zero3"]))
-def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, design):
-  launch_common.launch_ok(WORKER, tmp_path, *DESIGNS[design],
+@pytest.mark.parametrize("zero", suite_scope.cases(["zero2"], ["zero3"]))
+def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, zero):
+  launch_common.launch_ok(WORKER, tmp_path, zero,
                           timeout=LAUNCH_TIMEOUT)
   results = [json.load(open(tmp_path / f"worker{i}.json")) for i in range(2)]
   assert [r["num_replicas"] for r in results] == [2, 2]

@@ -117,13 +117,12 @@ def test_model_built_by_fit_is_sharded_before_its_first_step():
   x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
   model.fit(x, x[:, :2], batch_size=8, epochs=2, verbose=0)
   kernel = model.layers[0]._kernel  # pylint: disable=protected-access
-  if tp_common.is_spmd(strategy):
-    # One variable of the shard's shape, shard k on the k-th device; its
-    # whole view is the ShardedWeight.
-    assert tuple(kernel.shape) == (4, 4)
-    assert [c.device for c in kernel.value.values] == [
-        d for group in strategy.mesh.replicas for d in group]
-    kernel = kernel._tfpar_shard_of[0]  # pylint: disable=protected-access
+  # One variable of the shard's shape, shard k on the k-th device; its
+  # whole view is the ShardedWeight.
+  assert tuple(kernel.shape) == (4, 4)
+  assert [c.device for c in kernel.value.values] == [
+      d for group in strategy.mesh.replicas for d in group]
+  kernel = kernel._tfpar_shard_of[0]  # pylint: disable=protected-access
   assert isinstance(kernel, tfpar.ShardedWeight)
   assert tuple(kernel.shape) == (4, 8)
   plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(

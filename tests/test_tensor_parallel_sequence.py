@@ -62,44 +62,13 @@ def _step_log(layout, sequence_parallel):
 def test_reduce_scatter_and_all_gather_replace_the_all_reduces(layout):
   log = _step_log(layout, sequence_parallel=True)
   blocks, embeddings = tp_common.BLOCKS, 2
-  if tp_common.is_spmd(tp_common.trained_gpt(layout, True).strategy):
-    _check_spmd_collectives(layout, log, blocks, embeddings)
-    return
-  counts = log.counts()
-  assert counts == {
-      # Token ids go out whole; every reduce becomes a reduce-scatter and
-      # every broadcast of an activation an all-gather.
-      ("broadcast", "forward"): embeddings,
-      ("reduce-scatter", "forward"): 2 * blocks + embeddings,
-      ("all-gather", "forward"): 2 * blocks,
-      ("reduce-scatter", "backward"): 2 * blocks,
-      ("all-gather", "backward"): 2 * blocks + embeddings,
-      # The replicated vocabulary head takes the whole final activation.
-      ("gather", "forward"): 1,
-      ("scatter", "backward"): 1,
-  }
-  plain = log.bytes()
-  dense = _step_log(layout, sequence_parallel=False).bytes()
-  # Same bytes for the transformer blocks and embeddings as reduce +
-  # broadcast.
-  assert (plain[("reduce-scatter", "forward")] ==
-          dense[("reduce", "forward")])
-  assert (plain[("all-gather", "forward")] +
-          plain[("broadcast", "forward")] == dense[("broadcast", "forward")])
-  assert (plain[("reduce-scatter", "backward")] ==
-          dense[("reduce", "backward")])
-  assert (plain[("all-gather", "backward")] ==
-          dense[("broadcast", "backward")])
-
-
-def _check_spmd_collectives(layout, log, blocks, embeddings):
-  """spmd=True, per device of a group (t of them): Megatron's all-reduces
-  become a reduce-scatter and an all-gather of the same tensor, each
-  sending (t - 1) / t of it where the all-reduce sent 2 (t - 1) / t, so
-  the same bytes; the vocabulary head all-gathers the final LayerNorm's
-  slices, and the weights applied to slices (every LayerNorm's gamma and
-  beta, the row-parallel biases) have their gradients all-reduced over
-  the group, as does global_clipnorm's squared norm."""
+  # Per device of a group (t of them): Megatron's all-reduces
+  # become a reduce-scatter and an all-gather of the same tensor, each
+  # sending (t - 1) / t of it where the all-reduce sent 2 (t - 1) / t, so
+  # the same bytes; the vocabulary head all-gathers the final LayerNorm's
+  # slices, and the weights applied to slices (every LayerNorm's gamma and
+  # beta, the row-parallel biases) have their gradients all-reduced over
+  # the group, as does global_clipnorm's squared norm.
   t = layout["tensor"]
   norms = 2 * blocks + 1  # LayerNormalization layers.
   assert log.counts() == {

@@ -255,8 +255,16 @@ def test_unsupported_settings_raise_before_any_work():
       hidden = keras.layers.Dense(32, activation="gelu")(inputs)
       keras.Model(inputs, keras.layers.Dropout(0.2, noise_shape=(1, 8, 16))(
           keras.layers.Dense(16)(hidden)))
-  with pytest.raises(ValueError, match="spmd must be True or False"):
+  with pytest.raises(ValueError, match="spmd must be one of True"):
     tfpar.TensorParallelStrategy(tfpar.Mesh({"tensor": 4}), spmd="yes")
+  for strategy_class, options in (
+      (tfpar.TensorParallelStrategy, {}),
+      (tfpar.ExpertParallelStrategy, {"expert": 2}),
+      (tfpar.PipelineParallelStrategy, {"num_microbatches": 2})):
+    with pytest.raises(ValueError, match=strategy_class.__name__ +
+                       r"\(spmd=False\): the replica-head .* retired"):
+      strategy_class(tfpar.Mesh({"data": 2, "tensor": 2}), spmd=False,
+                     **options)
   x, y = tp_common.data("mlp", count=8)
   strategy = _strategy(layout)
   with strategy.scope():
@@ -264,10 +272,11 @@ def test_unsupported_settings_raise_before_any_work():
     model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
   for run in (model.fit, model.evaluate):
     with pytest.raises(ValueError, match=r"run_eagerly=True on model .*"
-                       r"spmd=False"):
+                       r"compile with run_eagerly=False"):
       run(x, y, batch_size=8, verbose=0)
   assert not model.optimizer.built  # Refused before any work.
-  with pytest.raises(ValueError, match=r"eager strategy.run.*spmd=False"):
+  with pytest.raises(ValueError, match=r"eager strategy.run; call it inside "
+                     r"a tf.function"):
     strategy.run(lambda: 1.0)
 
 

@@ -65,39 +65,29 @@ def _assert_same_as(reference, result):
                                err_msg=path)
 
 
-def _assert_stage_shards_on_stage_devices(result, tensor, spmd=False):
-  """Shard k of a stage-s layer on device s x tensor + k of each replica;
-  unsplit stage-s weights on the stage head s x tensor (under SPMD one
-  variable per weight on every device of the stage's tensor groups, its
-  k-th component there shard k, and unsplit ones on all of them too)."""
+def _assert_stage_shards_on_stage_devices(result, tensor):
+  """One variable per weight of a stage-s layer on every device of the
+  stage's tensor groups (devices s x tensor .. s x tensor + tensor - 1 of
+  each replica), its k-th component there shard k; unsplit ones on all of
+  them too."""
   groups = result["groups"]
   devices = result["devices"]
   for block, stage in (("block0", 0), ("block1", 1)):
     stage_devices = [g[stage * tensor + k] for g in groups
                      for k in range(tensor)]
-    if spmd:
-      assert devices[f"{block}_mlp_in/kernel"] == stage_devices
-      assert devices[f"{block}_ln1/gamma"] == stage_devices
-      continue
-    for k in range(tensor):
-      path = f"{block}_mlp_in/kernel_shard{k}"
-      assert devices[path] == [g[stage * tensor + k] for g in groups], path
-    assert devices[f"{block}_ln1/gamma"] == [g[stage * tensor]
-                                             for g in groups]
+    assert devices[f"{block}_mlp_in/kernel"] == stage_devices
+    assert devices[f"{block}_ln1/gamma"] == stage_devices
 
 
-# (data, schedule, ZeRO stage, design) on pipeline 2 x tensor 2: two
+# (data, schedule, ZeRO stage) on pipeline 2 x tensor 2: two
 # replicas, 1F1B, ZeRO-3 (ZeRO-2 runs across workers and under mixed
-# policies below), SPMD (the default inside one worker); TFPAR_TEST_FULL=1
-# adds one replica under each schedule (test_whole_weights and
-# test_precision_matrix's pipeline 2 x tensor 2 run one replica, and
-# test_pipeline every schedule without a tensor axis), GPipe with ZeRO-1,
-# and the head design on one host (the default across workers:
-# test_3d_across_two_workers_with_zero2_matches_one_device trains it).
+# policies below); TFPAR_TEST_FULL=1 adds one replica under each schedule
+# (test_whole_weights and test_precision_matrix's pipeline 2 x tensor 2 run
+# one replica, and test_pipeline every schedule without a tensor axis) and
+# GPipe with ZeRO-1.
 CASES = suite_scope.cases(
-    [(2, "1f1b", 3, "spmd")],
-    [(1, "gpipe", 0, "spmd"), (1, "1f1b", 0, "spmd"), (2, "gpipe", 1, "spmd"),
-     (1, "gpipe", 0, "head"), (2, "1f1b", 3, "head")])
+    [(2, "1f1b", 3)],
+    [(1, "gpipe", 0), (1, "1f1b", 0), (2, "gpipe", 1)])
 
 
 @pytest.fixture(scope="module")
@@ -105,27 +95,25 @@ def one_host_runs(tmp_path_factory):
   """Every CASES entry, run by one td_worker process (TensorFlow and its 8
   virtual CPUs start once): case -> the worker's result."""
   out_dir = tmp_path_factory.mktemp("three_d")
-  names = [f"d{data}_{schedule}_zero{stage}_{design}"
-           for data, schedule, stage, design in CASES]
+  names = [f"d{data}_{schedule}_zero{stage}"
+           for data, schedule, stage in CASES]
   _run([sys.executable, WORKER, str(out_dir)] +
-       [f"{name},{data},2,2,{schedule},{stage},{design}"
-        for name, (data, schedule, stage, design) in zip(names, CASES)],
+       [f"{name},{data},2,2,{schedule},{stage}"
+        for name, (data, schedule, stage) in zip(names, CASES)],
        out_dir, names[0])
   return {case: json.load(open(out_dir / f"{name}_worker0.json"))
           for name, case in zip(names, CASES)}
 
 
-@pytest.mark.parametrize("data,schedule,zero_stage,design", CASES)
+@pytest.mark.parametrize("data,schedule,zero_stage", CASES)
 def test_pipeline_of_tensor_parallel_stages_matches_one_device(
-    reference, one_host_runs, data, schedule, zero_stage, design):
-  result = one_host_runs[(data, schedule, zero_stage, design)]
+    reference, one_host_runs, data, schedule, zero_stage):
+  result = one_host_runs[(data, schedule, zero_stage)]
   assert result["num_replicas"] == data
   _assert_same_as(reference, result)
-  _assert_stage_shards_on_stage_devices(result, tensor=2,
-                                        spmd=design == "spmd")
+  _assert_stage_shards_on_stage_devices(result, tensor=2)
   if zero_stage:
-    _assert_zero_slices_over_data(reference, result, zero_stage,
-                                  tensor=2 if design == "spmd" else 1)
+    _assert_zero_slices_over_data(reference, result, zero_stage, tensor=2)
 
 
 def _assert_zero_slices_over_data(reference, result, zero_stage, tensor=1):
@@ -183,32 +171,23 @@ def test_3d_under_mixed_policies_and_accumulation_matches_one_device(
   assert min(accumulation["one device without accumulation"][:2]) > 1e-3
 
 
-# SPMD stages (the default) across workers; the head design runs with
-# TFPAR_TEST_FULL=1 (its one-host cases are its neighbours).
-ACROSS_WORKERS = suite_scope.cases([None], [False])
-
-
-@pytest.mark.parametrize("spmd", ACROSS_WORKERS)
 def test_3d_across_two_workers_with_zero2_matches_one_device(reference,
-                                                             tmp_path, spmd):
+                                                             tmp_path):
   """Each worker holds one replica's pipeline (data across the workers);
   its batches' size is unknown when traced, so the step keeps the loss's
   shape `Assert`s (which once deadlocked SPMD stages across workers)."""
-  design = {None: "", False: ",head"}[spmd]
   results = _run(
       [sys.executable, "-m", "tfpar", "launch", "--workers", "2",
        "--devices-per-worker", "4", "--timeout", str(TIMEOUT), WORKER,
-       str(tmp_path), f"mw,2,2,2,1f1b,2{design}"], tmp_path, "mw",
+       str(tmp_path), "mw,2,2,2,1f1b,2"], tmp_path, "mw",
       workers=2)
   for worker, result in enumerate(results):
     assert result["num_replicas"] == 2
     assert [len(g) for g in result["groups"]] == [4]
     assert all(f"task:{worker}" in d for d in result["groups"][0])
-    assert result["extended"] == ("PipelineParallelExtended" if spmd is False
-                                  else "SpmdPipelineParallelExtended")
+    assert result["extended"] == "TensorStagesExtended"
+    _assert_stage_shards_on_stage_devices(result, tensor=2)
     _assert_same_as(reference, result)
-    _assert_stage_shards_on_stage_devices(result, tensor=2,
-                                          spmd=spmd is None)
   assert results[0]["weights"] == results[1]["weights"]
 
 
@@ -259,7 +238,7 @@ def test_tensor_stages_whose_pipeline_crosses_workers_are_refused():
     tfpar.PipelineParallelStrategy(mesh, num_microbatches=4)
 
 
-def test_spmd_must_be_none_true_or_false():
-  with pytest.raises(ValueError, match=r"spmd must be None, True or False"):
+def test_spmd_must_be_none_or_true():
+  with pytest.raises(ValueError, match=r"spmd must be one of None, True"):
     tfpar.PipelineParallelStrategy(tfpar.Mesh({"pipeline": 2, "tensor": 2}),
                                    num_microbatches=2, spmd="yes")

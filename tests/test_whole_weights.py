@@ -29,10 +29,10 @@ def _numpy(weights):
   return [w.numpy() for w in weights]
 
 
-def _assert_lists_one_devices_weights(model, one_device, layer_name, spmd):
+def _assert_lists_one_devices_weights(model, one_device, layer_name):
   """`model.weights` (and one layer's) read as one device's, by path and
-  value; what training uses still lists the shards (`spmd`: one variable
-  per weight, holding its shards on the devices)."""
+  value; what training uses still lists the shards (one variable per
+  weight, holding its shards on the devices)."""
   assert [w.path for w in model.weights] == [w.path for w in
                                               one_device.weights]
   assert _same_arrays(_numpy(model.weights), _numpy(one_device.weights)) == 0
@@ -53,18 +53,15 @@ def _assert_lists_one_devices_weights(model, one_device, layer_name, spmd):
   held = whole_weights.held(model)
   split = [w for w in model.weights if isinstance(w, tfpar.ShardedWeight)]
   assert len(split) >= 8, split  # Attention and MLP kernels, at least.
-  if spmd:  # Listed whole where the held variable of the shard's shape is.
-    assert len(held) == len(one_device.weights)
-    for variable, weight in zip(held, model.weights):
-      if not isinstance(weight, tfpar.ShardedWeight):
-        assert variable is weight
-        continue
-      shape = list(weight.shape)
-      shape[weight.axis] //= len(weight.shards)
-      assert list(variable.shape) == shape, (variable.path, weight.shape)
-  else:
-    assert len(held) == len(one_device.weights) + sum(
-        len(w.shards) - 1 for w in split)
+  # Listed whole where the held variable of the shard's shape is.
+  assert len(held) == len(one_device.weights)
+  for variable, weight in zip(held, model.weights):
+    if not isinstance(weight, tfpar.ShardedWeight):
+      assert variable is weight
+      continue
+    shape = list(weight.shape)
+    shape[weight.axis] //= len(weight.shards)
+    assert list(variable.shape) == shape, (variable.path, weight.shape)
   assert [id(v) for v in model.trainable_weights] == [
       id(v) for v in held if v.trainable]
   assert sorted(map(id, model.trainable_weights)) == sorted(
@@ -87,8 +84,7 @@ def test_model_and_layer_weights_are_whole(strategy_fn):
     model = tp_common.gpt()
   x, _ = tp_common.data("gpt", count=8)
   model.predict(x, batch_size=8, verbose=0)  # Cut and split by now.
-  _assert_lists_one_devices_weights(model, one_device, "block0_attention",
-                                    tp_common.is_spmd(strategy))
+  _assert_lists_one_devices_weights(model, one_device, "block0_attention")
 
   # set_weights takes one device's arrays: new values, same predictions.
   rng = np.random.default_rng(7)
@@ -124,8 +120,7 @@ def test_keras_hub_model_lists_one_devices_weights():
   x, _ = hub_common.data("llama", count=8)
   model.predict(x, batch_size=8, verbose=0)
   _assert_lists_one_devices_weights(model, one_device,
-                                    "transformer_layer_0",
-                                    tp_common.is_spmd(strategy))
+                                    "transformer_layer_0")
   backbone = model.get_layer(one_device.layers[1].name)
   want = one_device.get_layer(backbone.name)
   assert _same_arrays(_numpy(backbone.weights), _numpy(want.weights)) == 0
@@ -147,16 +142,13 @@ def test_set_weights_with_the_shard_count_is_refused():
     model = tp_common.mlp()
   model.predict(np.zeros((2, tp_common.WIDTH), "float32"), verbose=0)
   shards = [v.numpy() for v in whole_weights.held(model)]
-  message = (f"weight list of length {len(shards)}, but the layer was "
-             f"expecting {len(tp_common.mlp().weights)} weights")
-  if tp_common.is_spmd(strategy):
-    # One variable per weight: the count matches, the first split
-    # weight's shape does not.
-    index, weight = [(i, w) for i, w in enumerate(model.weights)
-                     if isinstance(w, tfpar.ShardedWeight)][0]
-    message = re.escape(
-        f"weight shape {tuple(weight.shape)} is not compatible with "
-        f"provided weight shape {shards[index].shape}")
+  # One variable per weight: the count matches, the first split weight's
+  # shape does not.
+  index, weight = [(i, w) for i, w in enumerate(model.weights)
+                   if isinstance(w, tfpar.ShardedWeight)][0]
+  message = re.escape(
+      f"weight shape {tuple(weight.shape)} is not compatible with "
+      f"provided weight shape {shards[index].shape}")
   before = model.get_weights()
   with pytest.raises(ValueError, match=message):
     model.set_weights(shards)

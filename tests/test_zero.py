@@ -17,7 +17,6 @@ import pytest
 import dp_common
 import suite_scope
 import tfpar
-import tp_common
 from zero_common import assert_same_training
 from zero_common import data_parallel
 from zero_common import model_under
@@ -119,45 +118,6 @@ def test_every_stage_under_stock_mirrored_strategy(one_device):
     assert max(float(np.max(np.abs(np.array(a) - b))) for a, b in
                zip(result["weights"], reference.get_weights())) < 1e-5
     assert result["slot_shape"] == [1]  # The 1-element bias's velocity / 4.
-
-
-@pytest.fixture(scope="module")
-def tensor_parallel_reference():
-  """tp_common's MLP trained on one device: (model, step losses)."""
-  x, y = tp_common.data("mlp")
-  reference = tp_common.compile_model(tp_common.mlp(), clipnorm=0.05)
-  return reference, tp_common.step_losses(reference, x, y)
-
-
-# The head design (spmd=False), which the pipeline's tensor stages use;
-# test_tensor_spmd_zero runs stages 1-3 under the default SPMD design.
-# Stage 2 with TFPAR_TEST_FULL=1: test_three_d runs it with the pipeline.
-@pytest.mark.parametrize("stage", suite_scope.cases([1, 3], [2]))
-def test_under_tensor_parallelism_slices_each_shard(
-    stage, tensor_parallel_reference):
-  reference, expected = tensor_parallel_reference
-  x, y = tp_common.data("mlp")
-  strategy = tfpar.TensorParallelStrategy(
-      tfpar.Mesh({"data": 2, "tensor": 2}), spmd=False)
-  with strategy.scope():
-    model = tp_common.compile_model(tp_common.mlp(), clipnorm=0.05)
-  losses = tp_common.step_losses(model, x, y,
-                                 callbacks=[tfpar.ZeRO(stage=stage)])
-  np.testing.assert_allclose(losses, expected, atol=1e-5, rtol=0)
-  got, want = tfpar.logical_weights(model), tfpar.logical_weights(reference)
-  for path, value in want.items():
-    np.testing.assert_allclose(got[path], value, atol=1e-5, rtol=0)
-  # Each shard's state is sliced over the 2 data replicas and lives beside
-  # the shard: every device holds 1/(2 x 2) of Adam's two moments (and at
-  # stages 1-2 a weight slice), up to padding and replicated biases.
-  report = tfpar.memory_report(model)
-  plain = tfpar.memory_report(reference)
-  single = plain.optimizer[plain.devices[0]]
-  share = (3 if stage < 3 else 2) / 2 / 4
-  assert len(report.devices) == 4
-  for device in report.devices:
-    assert report.optimizer[device] / single == pytest.approx(share,
-                                                              abs=0.01)
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -9,8 +9,6 @@ import numpy as np
 import tensorflow as tf
 
 import tfpar
-from tfpar.pipeline import spmd_extended as pipeline_spmd
-from tfpar.tensor_parallel.spmd import extended as spmd_extended
 
 VOCAB = 32
 SEQUENCE = 8
@@ -178,12 +176,3 @@ def assert_same_optimizer_state(model, reference, atol=1e-5):
                        reference.optimizer.variables):
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=atol,
                                rtol=0, err_msg=want.path)
-
-
-def is_spmd(strategy):
-  """Whether `strategy` runs tensor parallelism as SPMD (`spmd=True`, the
-  default unless TFPAR_TEST_SPMD_DEFAULT=0) rather than the head
-  design."""
-  return isinstance(strategy.extended,
-                    (spmd_extended.SpmdTensorParallelExtended,
-                     pipeline_spmd.SpmdPipelineParallelExtended))

@@ -12,9 +12,8 @@ ones), so several cases pay TensorFlow's start once; under `tfpar launch`
 the mesh spans the TF_CONFIG workers (data across them).
 
 Usage: td_worker.py OUT_DIR CASE [CASE ...]
-  CASE: NAME,DATA,PIPELINE,TENSOR,SCHEDULE,ZERO_STAGE[,DESIGN]
-    (ZERO_STAGE 0: no ZeRO; DESIGN "spmd" or "head": spmd=True / False,
-    default the strategy's)
+  CASE: NAME,DATA,PIPELINE,TENSOR,SCHEDULE,ZERO_STAGE
+    (ZERO_STAGE 0: no ZeRO)
 """
 
 import json
@@ -32,15 +31,12 @@ MICROBATCHES = 2
 
 
 def _parse(case):
-  name, data, pipeline, tensor, schedule, zero_stage, *design = case.split(
-      ",")
-  spmd = {(): None, ("spmd",): True, ("head",): False}[tuple(design)]
+  name, data, pipeline, tensor, schedule, zero_stage = case.split(",")
   return (name, int(data), int(pipeline), int(tensor), schedule,
-          int(zero_stage), spmd)
+          int(zero_stage))
 
 
-def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage,
-         spmd=None):
+def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage):
   if "TF_CONFIG" in os.environ:
     mesh = tfpar.Mesh.from_cluster_resolver(data=data, pipeline=pipeline,
                                             tensor=tensor)
@@ -49,9 +45,8 @@ def _run(out_dir, name, data, pipeline, tensor, schedule, zero_stage,
     mesh = tfpar.Mesh({"data": data, "pipeline": pipeline, "tensor": tensor},
                       devices=tfpar.Mesh().devices[:data * pipeline * tensor])
     worker = 0
-  design = {} if spmd is None else {"spmd": spmd}
   strategy = tfpar.PipelineParallelStrategy(
-      mesh, num_microbatches=MICROBATCHES, schedule=schedule, **design)
+      mesh, num_microbatches=MICROBATCHES, schedule=schedule)
   with strategy.scope():
     model = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
   callbacks = [tfpar.ZeRO(stage=zero_stage)] if zero_stage else []

@@ -30,7 +30,7 @@ import tp_common
 def main():
   out_dir = sys.argv[1]
   mesh = tfpar.Mesh.from_cluster_resolver(data=-1, tensor=2)
-  strategy = tfpar.TensorParallelStrategy(mesh, spmd="spmd" in sys.argv[2:])
+  strategy = tfpar.TensorParallelStrategy(mesh)
   with strategy.scope():
     model = tp_common.compile_model(tp_common.gpt(), global_clipnorm=0.5)
   zero = next((int(a[len("zero"):]) for a in sys.argv[2:]

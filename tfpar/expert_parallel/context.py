@@ -23,26 +23,23 @@ class MoEContext:
     groups: the `ExpertGroups`.
     capacity_factor: None (no token is dropped) or a positive number.
     columns: devices of a replica that hold each weight's experts.
-    on_column: under expert x tensor, runs experts on a tensor column.
-    stage_columns: the devices of a replica that run MoE blocks: its head
-      (0), or under expert x pipeline every stage's device.
-    tensor_groups: under SPMD expert x tensor, the strategy's
+    stage_columns: the devices of a replica that run MoE blocks: its
+      first (0), under expert x pipeline every stage's device, under
+      expert x tensor every device.
+    tensor_groups: under expert x tensor, the strategy's
       `TensorGroups`: every device of a replica routes its copy of the
       tokens and runs its own experts (`spmd_exchange.py`), and the column
       of a call or a gradient is the running trace's device.
   """
 
   def __init__(self, extended, groups, capacity_factor, columns=1,
-               on_column=None, stage_columns=(0,), tensor_groups=None):
+               stage_columns=(0,), tensor_groups=None):
     self._extended = extended
     self.groups = groups
     self.capacity_factor = capacity_factor
-    # Devices of a replica that hold a weight's experts: 1 (its head or
-    # its stage's device), or the tensor size under expert x tensor, where
-    # `on_column(k, fn, *inputs)` runs `fn` forward and backward on the
-    # running replica's k-th device.
+    # Devices of a replica that hold a weight's experts: 1 (its first or
+    # its stage's device), or the tensor size under expert x tensor.
     self.columns = columns
-    self.on_column = on_column
     self.stage_columns = tuple(stage_columns)
     self.tensor_groups = tensor_groups
     self.per_device = tensor_groups is not None

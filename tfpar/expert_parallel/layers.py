@@ -9,10 +9,8 @@ routing weights. The load-balancing loss is computed from router
 statistics summed over every replica, so it is the one-device loss of the
 whole batch.
 
-Under expert x tensor the replica's head hands the rows of each tensor
-column's experts to that device, which runs them (forward and backward);
-under SPMD expert x tensor every device routes its copy of the tokens and
-exchanges its own experts' rows (`spmd_exchange.py`).
+Under expert x tensor every device of a tensor group routes its copy of
+the tokens and exchanges its own experts' rows (`spmd_exchange.py`).
 Under expert x pipeline a block runs on its stage's device of each
 replica, and its all-to-alls and statistics sums join those devices.
 
@@ -27,41 +25,15 @@ from tfpar.expert_parallel import routing
 from tfpar.expert_parallel import spmd_exchange
 
 
-def _on_columns(family, bank, columns, x, context):
-  """x [E_local, N, h] through the local experts held by the replica's
-  tensor columns: column k's device runs experts
-  k * E_local / t ... (k + 1) * E_local / t - 1 (its own variables) on
-  their rows, forward and backward; the outputs come back to the head."""
-  count = len(columns)
-  outs = []
-  for column, (variables, rows) in enumerate(
-      zip(columns, tf.split(x, count, axis=0))):
-    def run(rows, variables=variables):
-      # Cast as Keras autocasts variables under mixed precision.
-      weights = [tf.cast(v.value, rows.dtype) for v in variables]
-      return family.experts(bank, weights, rows)
-    outs.append(context.on_column(column, run, rows))
-  return tf.concat(outs, 0)
-
-
-def _local_experts(family, bank, weights, received, expert, capacity,
-                   context=None):
+def _local_experts(family, bank, weights, received, expert, capacity):
   """received [expert, E_local * C, h] (chunk i from member i) through the
-  local experts; returns the outputs in the same layout.
-
-  `weights`: the local experts' tensors, or under expert x tensor (with
-  `context`) each tensor column's variables, [[column 0's], ...]."""
+  local experts (`weights`: their tensors); returns the outputs in the same
+  layout."""
   hidden = received.shape[-1]
-  if context is None:
-    local = weights[0].shape[0]
-  else:
-    local = sum(int(column[0].shape[0]) for column in weights)
+  local = weights[0].shape[0]
   x = tf.reshape(received, [expert, local, capacity, hidden])
   x = tf.reshape(tf.transpose(x, [1, 0, 2, 3]), [local, -1, hidden])
-  if context is None:
-    out = family.experts(bank, weights, x)
-  else:
-    out = _on_columns(family, bank, weights, x, context)
+  out = family.experts(bank, weights, x)
   out = tf.transpose(tf.reshape(out, [local, expert, capacity, hidden]),
                      [1, 0, 2, 3])
   return tf.reshape(out, [expert, local * capacity, hidden])
@@ -78,10 +50,6 @@ def build_call(block, family, context):
   """
   bank = block.expert_bank
   variables = [getattr(bank, name) for name in family.expert_weight_names]
-  # Under expert x tensor, each tensor column's variables, in weight order.
-  columns = [] if context.per_device else [
-      [context.weight_of(v).variables[k] for v in variables]
-      for k in range(context.columns)]
 
   def call(hidden_states, attention_mask=None, training=False):
     shape = tf.shape(hidden_states)
@@ -127,12 +95,7 @@ def build_call(block, family, context):
       else:
         chunks = tf.reshape(buffer, [expert, -1, hidden])
         received = comm.all_to_all(chunks, launcher, block.name)
-        if context.columns == 1:
-          out = run_local(received)
-        else:
-          out = _local_experts(family, bank, columns, received, expert,
-                               capacity, context)
-        back = comm.all_to_all(out, launcher, block.name)
+        back = comm.all_to_all(run_local(received), launcher, block.name)
         expert_out = tf.reshape(back, [-1, hidden])
       context.count_drops(block, kept)
     out = routing.combine(expert_out, slot, weights, experts,

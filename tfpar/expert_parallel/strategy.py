@@ -1,13 +1,11 @@
 """`ExpertParallelStrategy`: the thin public face of
-`ExpertParallelExtended` (data-only mesh),
-`ExpertSpmdTensorParallelExtended` (data x tensor mesh, SPMD) and
-`ExpertTensorParallelExtended` (data x tensor, the replica-head design)."""
+`ExpertParallelExtended` (data-only mesh) and
+`ExpertTensorParallelExtended` (data x tensor mesh)."""
 
 from tfpar.engine import strategy as engine_strategy
 from tfpar.expert_parallel import extended as extended_lib
 from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import routing
-from tfpar.expert_parallel import spmd_extended
 from tfpar.expert_parallel import tensor_extended
 from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel.spmd import checks as spmd_checks
@@ -51,13 +49,13 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
       `tf.distribute.experimental.CommunicationOptions`.
     plan: with a tensor axis, a `tfpar.ShardingPlan` (or list of rules)
       for the weights other than the experts; None: the built-in plans.
-    spmd: with a tensor axis, True (the default): every device of a tensor
-      group traces the step, tensor-parallel reductions are collectives of
-      the group (as `TensorParallelStrategy`'s default), and each device
-      routes its copy of the tokens and exchanges its own experts' rows
-      with the same device of the other replicas of its expert group.
-      False: the replica-head design (each replica's first device routes
-      and forwards every column's rows). See docs/expert_parallel.md.
+    spmd: only True (the default), the one design: with a tensor axis
+      every device of a tensor group traces the step, tensor-parallel
+      reductions are collectives of the group (as
+      `TensorParallelStrategy`), and each device routes its copy of the
+      tokens and exchanges its own experts' rows with the same device of
+      the other replicas of its expert group (docs/expert_parallel.md).
+      `spmd=False`, the retired replica-head design, is a ValueError.
 
   Raises:
     ValueError: a mesh with a pipeline axis, an expert size that does not
@@ -66,7 +64,7 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
       (`expert x tensor` with a tensor axis), top-k outside
       [1, num_experts], a layer the tensor plan cannot split (e.g. heads
       not divisible by the tensor size), clipping by norm with a tensor
-      axis, router jitter noise with `spmd=True`.
+      axis, router jitter noise with a tensor axis; `spmd=False`.
 
   Example:
 
@@ -111,10 +109,8 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
 
   def __init__(self, mesh=None, expert=2, capacity_factor=None,
                communication_options=None, plan=None, spmd=True):
-    if not isinstance(spmd, bool):
-      raise ValueError(f"spmd must be True or False. Received: spmd={spmd!r}")
+    spmd_checks.check_spmd(spmd, "ExpertParallelStrategy")
     routing.check_capacity_factor(capacity_factor)
-    self._spmd = spmd
     self._expert = expert
     self._capacity_factor = capacity_factor
     self._plan = None if plan is None else plan_lib.as_plan(plan)
@@ -132,14 +128,10 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
           f"plan= lays out weights over the 'tensor' axis, which this mesh "
           f"does not have (tensor=1). Received: plan={self._plan!r}")
     groups_lib.check_expert_size(self._expert, mesh.num_replicas)
-    if mesh.shape["tensor"] > 1 and self._spmd:
+    if mesh.shape["tensor"] > 1:
       spmd_checks.check_strategy(mesh)
 
   def _make_extended(self, mesh, communication_options):
-    if mesh.shape["tensor"] > 1 and self._spmd:
-      return spmd_extended.ExpertSpmdTensorParallelExtended(
-          self, mesh, self._expert, self._capacity_factor,
-          plan_lib.as_plan(self._plan), communication_options)
     if mesh.shape["tensor"] > 1:
       return tensor_extended.ExpertTensorParallelExtended(
           self, mesh, self._expert, self._capacity_factor,

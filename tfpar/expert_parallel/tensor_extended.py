@@ -1,51 +1,48 @@
 """`ExpertTensorParallelExtended`: expert parallelism on a data x tensor
-mesh, the replica-head design (`spmd=False`; `spmd_extended.py` is the
-default, SPMD). `ExpertTensorLayout` is what both designs share.
+mesh (`tfpar.ExpertParallelStrategy` with a tensor axis).
 
-Everything but the experts is laid out as `TensorParallelStrategy` lays
-it out (attention by heads, MLPs column- then row-parallel, embeddings on
-the vocabulary; each replica a tensor group whose head runs the replicated
-work). The experts of each MoE layer are spread over the `expert x tensor`
-devices of an expert group, whole experts on each device (Megatron-Core's
-MoE parallel folding with expert-tensor size 1, torchtitan's ETP 1): the
-expert group is `expert` consecutive replicas, the replica of expert rank
-j holds experts `j*E/e ... (j+1)*E/e - 1`, and its k-th device the
-`E/(e*t)` of them in slot `j*t + k`.
+Everything but the experts is laid out and run as `TensorParallelStrategy`
+lays it out and runs it (attention by heads, MLPs column- then
+row-parallel, embeddings on the vocabulary): every device of a replica's
+tensor group traces the step, and the tensor-parallel reductions are
+collectives of the group. The experts of each MoE layer are spread over
+the `expert x tensor` devices of an expert group, whole experts on each
+device (Megatron-Core's MoE parallel folding with expert-tensor size 1,
+torchtitan's ETP 1): the expert group is `expert` consecutive replicas,
+the replica of expert rank j holds experts `j*E/e ... (j+1)*E/e - 1`, and
+its k-th device the `E/(e*t)` of them in slot `j*t + k`. One variable
+holds a layer's experts: its component on each device is that device's
+slot, as a split weight's component is its shard.
 
-A token goes from its replica's head to the head of its experts' replica
-in the all-to-all of the data-only layout; there the rows of each tensor
-column's experts go to that device, which runs them (forward and
-backward), and their outputs come back to the head for the return
-all-to-all. Each expert's matmuls stay whole (no partial sums, so nothing
-depends on `communication_dtype`), and a head sends each of its t - 1
-other devices 1/t of what it received.
+Each device routes its copy of the tokens and exchanges its own experts'
+rows with the same column of its expert group (`spmd_exchange.py`), so no
+device forwards another's rows; each device's expert gradients are summed
+over its expert-data group, the same column of the replicas of its expert
+rank. Each expert's matmuls stay whole (no partial sums, so nothing
+depends on `communication_dtype`).
 """
 
-import tensorflow as tf
-
-from tfpar.common.split_weights import logical_entries
-from tfpar.common.split_weights import sharded_weights
 from tfpar.common import whole_weights
+from tfpar.engine import spread
 from tfpar.expert_parallel import context as context_lib
 from tfpar.expert_parallel import extended as expert_extended
 from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import optimizer as expert_optimizer
-from tfpar.tensor_parallel import compute
 from tfpar.tensor_parallel import extended as tensor_extended
+from tfpar.tensor_parallel.spmd import weights as spmd_weights
 
 
-class ExpertTensorLayout:
-  """What expert x tensor does under either tensor-parallel design: the
-  experts laid out by expert parallelism, everything else by the tensor
-  plan. Mixed in before `expert_extended.ExpertSplitting` and a tensor
-  `StrategyExtended`, which provides `shard_model` and `_adopt`; a
-  subclass gives `tensor_entries(optimizer, model)` (the optimizer's
-  variables, split slots whole) and `moe_context_options()` (how its
-  `MoEContext` runs experts on the tensor columns).
+class ExpertTensorParallelExtended(expert_extended.ExpertSplitting,
+                                   tensor_extended.TensorParallelExtended):
+  """The logic of `tfpar.ExpertParallelStrategy` on a data x tensor mesh:
+  the experts laid out by expert parallelism (`ExpertSplitting`),
+  everything else by the tensor plan (`TensorParallelExtended`'s
+  `shard_model` and `_adopt`).
 
   Args:
     container_strategy: the public strategy.
-    mesh: a `tfpar.Mesh` with data and tensor axes (pipeline 1).
+    mesh: a `tfpar.Mesh` with data and tensor axes (pipeline 1; each
+      tensor group on one worker).
     expert: the expert-group size (divides the data size).
     capacity_factor: None or a positive number (see `routing.capacity`).
     plan: a `tfpar.ShardingPlan` for the weights other than the experts.
@@ -111,33 +108,32 @@ class ExpertTensorLayout:
                            f"{tensor})", str(local), " | ".join(slots))
     return rows
 
-
-class ExpertTensorParallelExtended(ExpertTensorLayout,
-                                   expert_extended.ExpertSplitting,
-                                   tensor_extended.TensorParallelExtended):
-  """The logic of `tfpar.ExpertParallelStrategy(..., spmd=False)` on a
-  data x tensor mesh (the replica-head design; arguments as
-  `ExpertTensorLayout`'s)."""
-
   def moe_context_options(self):
-    """Each replica's head runs the MoE blocks and hands each column's
-    rows to its device."""
-    return {"on_column": self._on_column}
+    """Every device of a replica runs the MoE blocks and its own
+    experts."""
+    return {"stage_columns": range(self.tensor_size),
+            "tensor_groups": self.tensor_groups}
 
-  def _on_column(self, column, fn, rows):
-    """`fn(rows)` forward and backward on the running replica's device
-    `column` (its experts' variables are there)."""
-    device = self.current_group()[column]
-    with tf.device(device):
-      rows = tf.identity(rows)
-    return compute.on_device(device, fn, rows)
+  def expert_slots(self):
+    t = self.tensor_size
+    ranks, _ = super().expert_slots()
+    return ([rank * t + k for rank in ranks for k in range(t)],
+            self._context.groups.expert * t)
 
   def column_scopes(self, block):
     del block
-    return [self.variables_on_column(k) for k in range(self.tensor_size)]
+    # One variable on every device (its component there: the device's
+    # slot), made as the strategy makes a variable, not spread.
+    return [spread.creating_in_place()]
+
+  def checked_blocks(self, model, unsplit=False):
+    blocks = super().checked_blocks(model, unsplit)
+    for block, family in blocks:
+      check_no_jitter(block, family)
+    return blocks
 
   def tensor_entries(self, optimizer, model):
-    return logical_entries(optimizer.variables, sharded_weights(model))
+    return spmd_weights.optimizer_entries(optimizer, model)
 
 
 def check_clipping(optimizer):
@@ -153,3 +149,16 @@ def check_clipping(optimizer):
           f"expert x tensor parallelism does not clip by norm as one device "
           f"does yet (an expert weight's norm spans its expert group). Use "
           f"clipvalue, or a mesh without a tensor axis.")
+
+
+def check_no_jitter(block, family):
+  """Raises for router jitter noise, which each device of a tensor group
+  would draw apart (their copies of the tokens would route differently)."""
+  jitter = getattr(block, family.jitter, 0.0) if family.jitter else 0.0
+  if jitter:
+    raise ValueError(
+        f"Layer {block.path!r} has {family.jitter}={jitter}: under expert x "
+        f"tensor parallelism every device of a tensor group routes its own "
+        f"copy of the tokens, and jitter noise drawn on each device would "
+        f"route them differently. Set {family.jitter}=0, or use a mesh "
+        f"without a tensor axis.")

@@ -5,25 +5,20 @@ model lives on devices s x tensor .. (s + 1) x tensor - 1 of every replica
 (its variables and, through Keras's `colocate_vars_with`, its optimizer
 slots). With a `tensor` axis each stage's layers are split over its
 devices by the sharding plan, as tensor parallelism splits a whole model
-(3D parallelism); the stage's first device is its head. Keras's data parallelism over
+(3D parallelism, `tensor_stages.py`). Keras's data parallelism over
 the `data` axis is unchanged: every replica runs its own pipeline on its
 share of the batch and the engine all-reduces each stage's gradients
 among the s-th devices of the replicas.
 """
 
-import numpy as np
-
 from tfpar import batches
 from tfpar.common import clipping
-from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.pipeline import executor
 from tfpar.pipeline import placement
 from tfpar.pipeline import stages as stages_lib
 from tfpar.pipeline import steps as steps_lib
-from tfpar.tensor_parallel import extended as tensor_parallel_extended
-from tfpar.tensor_parallel import optimizer as tensor_parallel_optimizer
 
 
 class PipelineParallelExtended(engine_extended.MeshExtended):
@@ -87,13 +82,8 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
 
   def prepare_model(self, model):
     optimizer = getattr(model, "optimizer", None)
-    # Without a tensor axis the optimizer clips after the sum over replicas
-    # (with one, `_adopt` installs that clipping by whole weights).
-    if self.tensor_size == 1 and optimizer is not None:
-      clipping.clip_after_all_reduce(optimizer)
-    if self.is_prepared(model) and self.tensor_size > 1 and (
-        optimizer is not None):
-      self._adopt(optimizer, model)
+    if optimizer is not None:
+      self.prepare_optimizer(optimizer, model)
     if not model.built or self.is_prepared(model):
       return
     steps_lib.check_model(model)
@@ -106,10 +96,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
           f"load saved weights with model.load_weights() after compile.")
     # Resolved before cutting: the stages' sub-models add nodes to their
     # layers, which hides the Dense pairs the built-in plan looks for.
-    layer_layouts = (self.plan.resolve(model, self.tensor_size)
-                     if self.tensor_size > 1 else None)
-    if layer_layouts is not None:
-      self._check_layouts(model, layer_layouts)
+    layer_layouts = self.tensor_layouts(model)
     elsewhere = self.laid_out_elsewhere(model)  # Checked before any move.
     plan = self.stage_plan(model)
     split = {v.path for layout in layer_layouts or () for v in
@@ -140,60 +127,27 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     `plan` and its other weights are on their stages' devices."""
     del model, plan
 
+  def prepare_optimizer(self, optimizer, model):
+    """Makes `optimizer` clip after the sum over the replicas, as one
+    device clips (tensor-parallel stages clip by whole weights instead)."""
+    del model
+    clipping.clip_after_all_reduce(optimizer)
+
+  def tensor_layouts(self, model):
+    """The checked `LayerLayout`s of `model`'s layers split over the
+    stages' tensor groups, or None without a tensor axis."""
+    del model
+    return None
+
   def _shard_stages(self, model, plan, layer_layouts):
-    """Splits each stage's layers over the stage's tensor group."""
-    stage_of = plan.stage_of_layers()
-    by_stage = {stage.index: [l for l in layer_layouts
-                              if stage_of.get(id(l.layer)) == stage.index]
-                for stage in plan.stages}
-    shard = self._stage_layout_sharder(stage_of)
-    # Interleaved over the stages: split weights created spread over every
-    # device leave each about as fast as its shards arrive (engine/spread).
-    layout_bytes = lambda l: sum(np.prod(v.shape) for v in l.variables)
-    for index, layout in placement.interleaved(by_stage, layout_bytes):
-      shard(index, layout)
-    self._sharded(model, plan, layer_layouts, by_stage)
-
-  def _stage_layout_sharder(self, stage_of):
-    """`shard(stage index, layout)`: splits one layer over its stage's
-    tensor group (`stage_of`: {id(layer): its stage})."""
-    del stage_of
-
-    def shard(index, layout):
-      tensor_parallel_extended.shard_layers(
-          self, [layout], self.tensor_size,
-          first_column=placement.stage_column(index, self.pipeline_size,
-                                              self.tensor_size))
-    return shard
-
-  def _sharded(self, model, plan, layer_layouts, by_stage):
-    """Records `model`'s layouts once its stages are split (`by_stage`:
-    {stage index: its layouts}), and makes its weight lists and optimizer
-    speak whole weights."""
-    del by_stage
-    object.__setattr__(model, "_tfpar_layouts", layer_layouts)
-    whole_weights.install(model)
-    # The stage models are Models of their own over the same layers: their
-    # `trainable_weights` (read for regularization losses) must list the
-    # shards too, not their layers' whole weights.
-    for stage in plan.stages:
-      whole_weights.install(stage.model)
-    if getattr(model, "optimizer", None) is not None:
-      self._adopt(model.optimizer, model)
-
-  def _check_layouts(self, model, layer_layouts):
-    """Checks the resolved tensor plan before the model is cut (and reads
-    what cutting would hide); nothing more to check here."""
-    del model, layer_layouts
+    """Splits each stage's layers over the stage's tensor group (with a
+    tensor axis, `tensor_stages.py`)."""
+    del model, plan, layer_layouts
 
   def stage_variable_devices(self, column):
     """The devices a stage's variables go on, from its first column: the
-    stage's head in every replica."""
+    stage's device in every replica."""
     return tuple(group[column] for group in self._local_groups)
-
-  def _adopt(self, optimizer, model):
-    """Makes `optimizer` work on the tensor-parallel stages' shards."""
-    tensor_parallel_optimizer.adopt(optimizer, model)
 
   def runner(self, plan):
     """The `StageRunner` of the replica running now."""

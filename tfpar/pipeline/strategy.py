@@ -13,9 +13,10 @@ from tfpar.pipeline import experts
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
 from tfpar.pipeline import schedules
-from tfpar.pipeline import spmd_extended
+from tfpar.pipeline import tensor_stages
 from tfpar.tensor_parallel import rounding as tensor_rounding
 from tfpar.tensor_parallel import plan as plan_lib
+from tfpar.tensor_parallel.spmd import checks as spmd_checks
 
 
 class PipelineParallelStrategy(engine_strategy.MeshStrategy):
@@ -76,19 +77,19 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     capacity_factor: with `expert`, None (drop nothing) or a positive
       number bounding each expert's tokens per micro-batch (see
       `tfpar.ExpertParallelStrategy`).
-    spmd: with a `tensor` axis, True: each replica's step is traced once
-      per tensor column, that trace running the whole schedule on its
-      column of every stage, so a stage's tensor-parallel reductions are
-      collectives of its tensor group and every device of it does the
-      replicated work (as `tfpar.TensorParallelStrategy`'s default), on
-      one worker or across `TF_CONFIG` workers. False: the replica-head
-      design (each stage's first device runs the replicated work and
-      reduces and broadcasts for the group). None (the default): True.
-      See docs/three_d.md.
+    spmd: None (the default) or True, the one design: with a `tensor`
+      axis each replica's step is traced once per tensor column, that
+      trace running the whole schedule on its column of every stage, so a
+      stage's tensor-parallel reductions are collectives of its tensor
+      group and every device of it does the replicated work (as
+      `tfpar.TensorParallelStrategy`), on one worker or across
+      `TF_CONFIG` workers (docs/three_d.md). `spmd=False`, the retired
+      replica-head design, is a ValueError.
 
   Raises:
     ValueError: a bad schedule, stages, num_microbatches or plan, a plan
-      without a `tensor` axis, or tensor-parallel stages across workers;
+      without a `tensor` axis, `spmd=False`, or tensor-parallel stages
+      across workers;
       with `expert`: an expert size that does not divide the data size, a
       tensor axis, a mesh across workers, `"interleaved"`, `recompute`;
       when the model is built, experts not divisible by `expert`.
@@ -130,10 +131,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
                communication_dtype="float32", expert=None,
                capacity_factor=None, spmd=None):
     experts.check_options(expert, capacity_factor, schedule, recompute)
-    if spmd is not None and not isinstance(spmd, bool):
-      raise ValueError(f"spmd must be None, True or False. Received: "
-                       f"spmd={spmd!r}")
-    self._spmd = spmd
+    spmd_checks.check_spmd(spmd, "PipelineParallelStrategy",
+                           allowed=(None, True))
     self._expert = expert
     self._capacity_factor = capacity_factor
     if (not isinstance(num_microbatches, numbers.Integral) or
@@ -193,8 +192,8 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
     if self._expert is not None:
       return expert_extended.ExpertPipelineExtended(
           self, mesh, self._expert, self._capacity_factor, **options)
-    if self._spmd is not False and mesh.shape["tensor"] > 1:
-      return spmd_extended.SpmdPipelineParallelExtended(self, mesh, **options)
+    if mesh.shape["tensor"] > 1:
+      return tensor_stages.TensorStagesExtended(self, mesh, **options)
     return extended_lib.PipelineParallelExtended(self, mesh, **options)
 
   def _check_mesh(self, mesh):

@@ -46,10 +46,6 @@ def describe(plan, model, strategy):
   groups = mesh.replicas
   multi = mesh.is_multi_worker
   stage_of = _stage_of_layer(model, strategy)
-  # spmd=True: every device of a group holds the replicated weights (and
-  # computes with them); else the group's first device (the head) does.
-  everywhere = getattr(strategy.extended, "replicated_on_every_device",
-                       False)
   rows = [("variable", "full shape", "style", "shard shape", "devices")]
   from tfpar.common import split_weights  # pylint: disable=g-import-not-at-top
   paths = list(split_weights.logical_weights_paths(model))
@@ -67,8 +63,7 @@ def describe(plan, model, strategy):
         style = f"{style} (replicated)"
       devices = ",".join(
           _short(d, multi) for g in groups
-          for d in (g[first:first + tensor_size] if everywhere else
-                    g[first:first + 1]))
+          for d in g[first:first + tensor_size])  # Every device of its group.
       rows.append((path, str(tuple(shape)), str(style), str(tuple(shape)),
                    devices))
       continue
@@ -91,8 +86,7 @@ def describe(plan, model, strategy):
   else:
     lines.append(f"mesh: data={mesh.shape['data']} tensor={tensor_size}; "
                  f"replica r holds shard k on the k-th device of its group"
-                 + ("; replicated weights on every device (spmd=True)"
-                    if everywhere else ""))
+                 + "; replicated weights on every device")
   lines.append(training_summary.training_line(model))
   return "\n".join(lines)
 

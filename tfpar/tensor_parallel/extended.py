@@ -1,51 +1,101 @@
-"""`TensorParallelExtended`: shards models built in its scope.
+"""`TensorParallelExtended`: tensor parallelism, one trace of the step per
+device of every tensor group (SPMD).
 
-Each replica spans the devices of one `tensor` group. Shard k of a weight
-is a mirrored variable on the k-th device of every replica, so the data
-axis keeps it in sync exactly as it does a replicated weight, and Keras's
-optimizer creates its slots next to it (`colocate_vars_with`).
+`num_replicas_in_sync` stays the `data` size (a replica is a tensor
+group: Keras's loss scaling, metrics and predict stay correct). How a
+replica runs:
+
+* a model's weights are created spread (`engine/spread.py`), laid out
+  when it is sharded; every variable is then mirrored over all `data x
+  tensor` devices (replica major): a split weight's component on the k-th
+  device of every replica holds shard k (`spmd/weights.py`), a replicated
+  weight is the same everywhere;
+* `_call_for_each_replica` hands each replica's inputs to every device of
+  its group and traces the replica function once per device (replica
+  threads whose replica id is the data replica, `_compat/spmd_run.py`);
+  the traces communicate by collectives among the group
+  (`spmd/collectives.py`);
+* gradients (one per device) are all-reduced over the data replicas within
+  each tensor column (`spmd/reductions.py`): shard k's over the k-th
+  devices, a replicated weight's copies alike on every column (they are
+  equal by construction);
+* values leaving a replica (losses, metrics, predictions) are taken from
+  the first device of each group, and cross-replica reads of metric
+  variables count each data replica once.
 
 Models register themselves when created in the strategy's scope (Keras's
 TensorFlow trainer records the current strategy then); each is sharded once
 it is built, before it first runs, is distributed data, or its optimizer
-builds: when the scope is entered again (Keras does so before its symbolic
-build), when a dataset is distributed and when a step runs.
+builds.
 """
 
-
-
-from tfpar._compat import distribute
 from tfpar._compat import keras_layers
+from tfpar._compat import spmd_run
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
-from tfpar.tensor_parallel import layers as layers_lib
-from tfpar.tensor_parallel import optimizer as optimizer_lib
 from tfpar.tensor_parallel import plan as plan_lib
-from tfpar.tensor_parallel import sequence as sequence_lib
-from tfpar.tensor_parallel import variables as variables_lib
+from tfpar.tensor_parallel.spmd import checks
+from tfpar.tensor_parallel.spmd import collectives
+from tfpar.tensor_parallel.spmd import dropout as dropout_lib
+from tfpar.tensor_parallel.spmd import layers as layers_lib
+from tfpar.tensor_parallel.spmd import memo as memo_lib
+from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
+from tfpar.tensor_parallel.spmd import reductions
+from tfpar.tensor_parallel.spmd import runs
+from tfpar.tensor_parallel.spmd import sequence as sequence_lib
+from tfpar.tensor_parallel.spmd import terms
+from tfpar.tensor_parallel.spmd import weights as weights_lib
+from tfpar.tensor_parallel.spmd import zero_hooks
 
 
-class TensorParallelExtended(engine_extended.MeshExtended):
+def _materialize(model, strategy, skip=frozenset()):
+  """Lays out `model`'s weights still spread, but those in `skip` (paths),
+  whole on every device, one at a time."""
+  for variable in spread.pending_weights(model):
+    if variable.path not in skip:
+      spread.materialize(variable, strategy)
+
+
+class TensorParallelExtended(runs.PerDeviceRuns,
+                             spmd_run.DeviceReplicaIds,
+                             zero_hooks.ZeroHooks,
+                             reductions.PerDeviceReductions,
+                             engine_extended.MeshExtended):
   """The logic of `tfpar.TensorParallelStrategy`.
 
   Args:
     container_strategy: the public strategy.
-    mesh: the `tfpar.Mesh` (data x tensor).
+    mesh: the `tfpar.Mesh` (data x tensor; each tensor group on one
+      worker).
     plan: a `tfpar.ShardingPlan`.
     communication_options: optional
       `tf.distribute.experimental.CommunicationOptions`.
-    sequence_parallel: split position-wise regions along the sequence.
+    sequence_parallel: run position-wise regions on sequence slices
+      (`spmd/sequence.py`).
     float32_sums: add partial sums in float32 under a mixed policy.
   """
+
+  # Weights are created spread over the tensor group (`engine/spread.py`),
+  # then laid out when the model is sharded: replicated ones whole on every
+  # device (where every trace uses them; `describe` lists them there),
+  # split ones as their shards.
+  spreads_weights = True
 
   def __init__(self, container_strategy, mesh, plan,
                communication_options=None, sequence_parallel=False,
                float32_sums=False):
+    checks.check_strategy(mesh)
     super().__init__(container_strategy, mesh, communication_options)
     self._plan = plan
     self._sequence_parallel = sequence_parallel
-    self.float32_sums = float32_sums
+    self._groups = collectives.TensorGroups(
+        self._local_groups, self._collective_keys,
+        self._communication_options,
+        [tuple(group) for group in mesh.replicas])
+    self._memo = memo_lib.Memo(self._groups, sequence_parallel,
+                                 float32_sums)
+    self._first_replica = mesh.replicas.index(self._local_groups[0])
 
   @property
   def plan(self):
@@ -55,10 +105,29 @@ class TensorParallelExtended(engine_extended.MeshExtended):
   def tensor_size(self):
     return self._mesh.shape["tensor"]
 
-  # Weights are created spread over the tensor group (1/tensor of each on
-  # every device of a replica) and laid out one at a time once the plan is
-  # resolved on the built model.
-  spreads_weights = True
+  @property
+  def tensor_groups(self):
+    """The `collectives.TensorGroups` (devices, launchers)."""
+    return self._groups
+
+  @property
+  def partial_weights(self):
+    """The weights whose gradient is partial on each device."""
+    return self._memo.partial_weights
+
+  # Variables: on every data x tensor device.
+
+  def _create_variable(self, next_creator, **kwargs):
+    on_column = getattr(self._column, "index", None) is not None
+    # Not in a trace (a model built while a step runs, refused after it):
+    # spread slices have a component per replica there, not per device.
+    spreading = (spread.should_spread(kwargs) and
+                 collectives.current_slot() is None)
+    if (kwargs.get("colocate_with") is None and not on_column and
+        not spreading):
+      kwargs["colocate_with"] = engine_extended.DeviceSet(
+          self._groups.devices)
+    return super()._create_variable(next_creator, **kwargs)
 
   # Model registry and sharding.
 
@@ -74,11 +143,6 @@ class TensorParallelExtended(engine_extended.MeshExtended):
         getattr(model, "optimizer", None) is not None):
       self._adopt(model.optimizer, model)
 
-  def _adopt(self, optimizer, model):
-    """Makes `optimizer` work on `model`'s shards (its checkpoints and
-    clipping in whole weights)."""
-    optimizer_lib.adopt(optimizer, model)
-
   def laid_out_elsewhere(self, model):
     """Paths of `model`'s weights another parallelism lays out (left
     spread by `shard_model`); none here."""
@@ -86,81 +150,58 @@ class TensorParallelExtended(engine_extended.MeshExtended):
     return frozenset()
 
   def shard_model(self, model):
-    """Applies the plan to a built model: splits its variables and makes
-    its sharded layers compute tensor-parallel."""
-    optimizer = getattr(model, "optimizer", None)
+    """Splits `model`'s weights per the plan into SPMD variables and makes
+    its split layers compute SPMD."""
     already = tuple(
         layer._tfpar_layer_layout  # pylint: disable=protected-access
-        for layer in keras_layers.flatten_layers(model, include_self=False)
+        for layer in keras_layers.flatten_layers(
+            model, include_self=False)
         if getattr(layer, "_tfpar_layer_layout", None) is not None)
-    if already:  # Its layers belong to a model sharded before (Sequential,
-      # or a keras-hub backbone inside a task model): weights of its own
-      # layers outside that model (a Dense head) stay whole, as before
-      # weights were created spread.
-      for variable in spread.pending_weights(model):
-        spread.materialize(variable, self._container_strategy())
-      object.__setattr__(model, "_tfpar_layouts", already)
-      whole_weights.install(model)
-      return
+    optimizer = getattr(model, "optimizer", None)
+    # Weights another parallelism lays out (expert x tensor's experts) stay
+    # spread until it does.
     elsewhere = self.laid_out_elsewhere(model)
-    layer_layouts = plan_lib.as_plan(self._plan).resolve(
-        model, self.tensor_size, elsewhere)
-    # Replicated weights first: until then every device holds 1/tensor of
-    # them, more than its final share (none, off the head).
-    split = {v.path for layout in layer_layouts for v in layout.variables
-             if v.axis is not None}
-    for variable in spread.pending_weights(model):
-      if variable.path not in split and variable.path not in elsewhere:
-        spread.materialize(variable, self._container_strategy())
-    shard_layers(self, layer_layouts, self.tensor_size,
-                 sequence_parallel=self._sequence_parallel)
-    for variable in spread.pending_weights(model):  # Only `elsewhere` left.
-      if variable.path not in elsewhere:
-        spread.materialize(variable, self._container_strategy())
+    if not already:
+      checks.check_model(model, self._sequence_parallel)
+      already = plan_lib.as_plan(self._plan).resolve(model, self.tensor_size,
+                                                     elsewhere)
+      checks.check_layouts(already, self._sequence_parallel, model)
+      strategy = self._container_strategy()
+      paired = layers_lib.paired_layers(model, already)
+      terms.check(already, paired, self._sequence_parallel)
+      # Replicated weights first: until then every device holds 1/tensor
+      # of them, less than its final share (all of them).
+      split = {v.path for layout in already for v in layout.variables
+               if v.axis is not None}
+      _materialize(model, strategy, skip=split | elsewhere)
+      for layout in already:
+        with spread.creating_in_place():
+          weights_lib.split_layer(layout, self.tensor_size, strategy)
+        layers_lib.install(layout, self._memo, paired)
+        object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
+    # Weights of layers outside the layouts (a head added around a model
+    # sharded before) stay whole on every device.
+    _materialize(model, self._container_strategy(), skip=elsewhere)
     if self._sequence_parallel:
-      sequence_lib.install(model, self.current_group)
-    object.__setattr__(model, "_tfpar_layouts", layer_layouts)
+      sequence_lib.install(model, self._memo.slices)
+    dropout_lib.install(model, already, self._memo)
+    object.__setattr__(model, "_tfpar_layouts", already)
     whole_weights.install(model)
-    if optimizer is not None and optimizer.built:
-      # Built for the unsharded weights (e.g. by keras.models.load_model):
-      # move its state to a twin built for the shards.
+    if optimizer is not None and optimizer.built and not getattr(
+        optimizer, "_tfpar_adopted", False):
+      # Built for the unsharded weights (keras.models.load_model): move
+      # its state to a twin built for the shards.
       with self._container_strategy().scope():
         optimizer_lib.rebuild_for_shards(model)
-    elif optimizer is not None:
+      optimizer = model.optimizer
+    if optimizer is not None:
       self._adopt(optimizer, model)
 
+  def _adopt(self, optimizer, model):
+    """Makes `optimizer` work on `model`'s shards (whole-slot checkpoints,
+    clipping by whole weights, sums over the tensor group)."""
+    optimizer_lib.adopt(optimizer, model, self._groups,
+                        self._memo.partial_weights)
 
-def shard_layers(extended, layer_layouts, tensor_size, first_column=0,
-                 sequence_parallel=False):
-  """Splits layers over `tensor_size` consecutive devices of every replica.
-
-  Shard k of each split variable goes on device `first_column + k` of
-  every replica, and each layer computes on those devices (the first one
-  is the group's head). Tensor parallelism uses the whole replica
-  (`first_column` 0); a tensor-parallel pipeline stage s uses its own
-  devices (`first_column` s x tensor).
-
-  Args:
-    extended: the strategy's `MeshExtended`.
-    layer_layouts: the `LayerLayout`s to apply (from `ShardingPlan.resolve`).
-    tensor_size: devices per tensor group.
-    first_column: the index within a replica of the group's first device.
-    sequence_parallel: split position-wise regions along the sequence.
-
-  Partial sums are added in float32 when `extended.float32_sums` is set
-  (the strategies' default `communication_dtype="float32"`).
-  """
-  columns = slice(first_column, first_column + tensor_size)
-
-  def group():
-    return extended.current_group()[columns]
-
-  def shard_scope(index):
-    return extended.variables_on_column(first_column + index)
-
-  with distribute.container_strategy(extended).scope():
-    for layout in layer_layouts:
-      variables_lib.shard_layer(layout, tensor_size, shard_scope)
-      layers_lib.install(layout, group, sequence_parallel,
-                         getattr(extended, "float32_sums", False))
-      object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
+  def _clear_memos(self):
+    self._memo.clear()

@@ -6,7 +6,6 @@ from tfpar.tensor_parallel import extended as extended_lib
 from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel.spmd import checks as spmd_checks
-from tfpar.tensor_parallel.spmd import extended as spmd_extended
 
 
 class TensorParallelStrategy(engine_strategy.MeshStrategy):
@@ -36,23 +35,19 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       Mirrored's spread from one device) or `"compute"` (the compute dtype,
       as Megatron-LM: half those bytes, each device rounding its partial
       sums before they are added). No effect under `float32`.
-    spmd: True (the default): every device of a tensor group traces its
-      own copy of the step and computes the replicated work itself
-      (LayerNorms, residual adds, dropout, the loss); the tensor-parallel
-      all-reduces, reduce-scatters and all-gathers are collectives among
-      the group, each device moving the ring's 2(t-1)/t share
-      (docs/tensor_parallel_spmd.md). False: the replica-head design,
-      where each data replica's first device runs the replicated work and
-      partial sums are reduced onto it and broadcast back
-      (docs/tensor_parallel.md); the design `PipelineParallelStrategy`'s
-      and `ExpertParallelStrategy`'s tensor groups use, and the one that
-      runs `run_eagerly=True`.
+    spmd: only True (the default) is accepted: every device of a tensor
+      group traces its own copy of the step and computes the replicated
+      work itself (LayerNorms, residual adds, dropout, the loss); the
+      tensor-parallel all-reduces, reduce-scatters and all-gathers are
+      collectives among the group, each device moving the ring's
+      2(t-1)/t share (docs/tensor_parallel_spmd.md). `spmd=False`, the
+      replica-head design, was retired and is a ValueError.
 
   Raises:
-    ValueError: the mesh has a pipeline axis, a bad plan or
-      communication_dtype, or a setting the chosen design does not
-      support (docs/tensor_parallel_spmd.md lists what `spmd=True`
-      refuses, such as `run_eagerly=True`).
+    ValueError: the mesh has a pipeline axis or a tensor group spanning
+      workers, a bad plan or communication_dtype, `spmd=False`, or a
+      setting tensor parallelism does not run (docs/tensor_parallel_spmd.md
+      lists them, such as `run_eagerly=True`).
 
   Example:
 
@@ -73,23 +68,16 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,
                communication_options=None, communication_dtype="float32",
                spmd=True):
-    if not isinstance(spmd, bool):
-      raise ValueError(f"spmd must be True or False. Received: spmd={spmd!r}")
+    spmd_checks.check_spmd(spmd, "TensorParallelStrategy")
     if not isinstance(sequence_parallel, bool):
       raise ValueError(f"sequence_parallel must be True or False. Received: "
                        f"sequence_parallel={sequence_parallel!r}")
     self._float32_sums = rounding.float32_sums(communication_dtype)
     self._plan = plan_lib.as_plan(plan)
     self._sequence_parallel = sequence_parallel
-    self._spmd = spmd
     super().__init__(mesh, communication_options)
 
   def _make_extended(self, mesh, communication_options):
-    if self._spmd:
-      return spmd_extended.SpmdTensorParallelExtended(
-          self, mesh, self._plan, communication_options,
-          sequence_parallel=self._sequence_parallel,
-          float32_sums=self._float32_sums)
     return extended_lib.TensorParallelExtended(
         self, mesh, self._plan, communication_options,
         sequence_parallel=self._sequence_parallel,
@@ -101,8 +89,7 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
           f"TensorParallelStrategy runs on data x tensor meshes; this mesh "
           f"has pipeline={mesh.shape['pipeline']}. Use "
           f"tfpar.PipelineParallelStrategy for pipeline stages.")
-    if self._spmd:
-      spmd_checks.check_strategy(mesh)
+    spmd_checks.check_strategy(mesh)
 
   @property
   def plan(self):
@@ -113,4 +100,5 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
     """Prints how every variable of `model` is laid out (see
     `ShardingPlan.describe`)."""
     return self._plan.describe(model, self, print_fn=print_fn)
+
 

@@ -1,4 +1,4 @@
-"""What `TensorParallelStrategy(..., spmd=True)` does not run (yet): each
+"""What tensor parallelism (SPMD, its one design) does not run: each
 raises a `ValueError` naming the setting before any work is done."""
 
 import keras
@@ -13,9 +13,35 @@ from tfpar.tensor_parallel.spmd import blocks
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
 from tfpar.tensor_parallel.spmd import sequence
 
-_RULE = ("spmd=True supports models of Dense, EinsumDense, "
+_RULE = ("tensor parallelism supports models of Dense, EinsumDense, "
          "MultiHeadAttention, Embedding, ReversibleEmbedding and keras-hub "
          "attention layers, each tensor group on one worker")
+
+
+def check_spmd(spmd, strategy_name, allowed=(True,)):
+  """Refuses `spmd=False`, the retired replica-head design (and anything
+  but a bool or None), before any work.
+
+  Args:
+    spmd: the strategy's `spmd` argument.
+    strategy_name: the public strategy's class name, for the message.
+    allowed: the values accepted (each means SPMD).
+
+  Raises:
+    ValueError: `spmd` is not one of `allowed`.
+  """
+  if spmd is False:
+    raise ValueError(
+        f"{strategy_name}(spmd=False): the replica-head tensor-parallel "
+        f"design was retired; SPMD (every device of a tensor group traces "
+        f"the step) is the one design. Leave spmd out. What only the head "
+        f"design ran (run_eagerly=True, tensor groups across workers, "
+        f"unknown attention dropout, Embedding subclasses, router jitter) "
+        f"is refused by name when the model is built or run.")
+  if not any(spmd is value for value in allowed):
+    raise ValueError(
+        f"spmd must be one of {', '.join(map(repr, allowed))} (SPMD, the "
+        f"one tensor-parallel design). Received: spmd={spmd!r}")
 
 
 def check_strategy(mesh):
@@ -33,14 +59,14 @@ def check_strategy(mesh):
     tasks = sorted({tf.DeviceSpec.from_string(d).task or 0 for d in group})
     if len(tasks) > 1:
       raise ValueError(
-          f"TensorParallelStrategy(spmd=True) needs each tensor group on "
+          f"Tensor parallelism needs each tensor group on "
           f"one worker; this mesh's group {list(group)} spans the workers "
           f"(tasks) {tasks}. {_RULE}. Choose a tensor size that divides "
-          f"each worker's device count, or use spmd=False.")
+          f"each worker's device count.")
 
 
 EAGER_REFUSAL = (
-    "TensorParallelStrategy(spmd=True) runs replica functions traced (each "
+    "Tensor parallelism runs replica functions traced (each "
     "device of a tensor group traces its own copy, and their collectives "
     "cannot run one after another eagerly)")
 
@@ -51,8 +77,7 @@ def check_run(model):
   if model.run_eagerly:
     raise ValueError(
         f"{EAGER_REFUSAL}. Received: run_eagerly=True on model "
-        f"{model.name!r}; compile with run_eagerly=False, or use "
-        f"TensorParallelStrategy(..., spmd=False) to run eagerly.")
+        f"{model.name!r}; compile with run_eagerly=False.")
 
 
 def check_model(model, sequence_parallel):
@@ -76,18 +101,17 @@ def check_model(model, sequence_parallel):
       unknown = dropout_lib.unknown_attention_dropout(layer)
       if unknown is not None:
         raise ValueError(
-            f"TensorParallelStrategy(spmd=True) cannot split layer "
+            f"Tensor parallelism cannot split layer "
             f"{layer.name!r} ({type(layer).__name__}) by heads with its "
             f"dropout sublayer {unknown.name!r} (rate={unknown.rate!r}): "
             f"tfpar draws one device's mask only for the attention dropout "
-            f"it knows (spmd/dropout.py); {_RULE}. Use rate 0 there or "
-            f"spmd=False.")
+            f"it knows (spmd/dropout.py); {_RULE}. Use rate 0 there.")
     noise = getattr(layer, "noise_shape", None)
     if type(layer) is keras.layers.Dropout and layer.rate and noise:
       for axis, what in split_axes.items():
         if axis < len(noise) and noise[axis] not in (None, 1):
           raise ValueError(
-              f"TensorParallelStrategy(spmd=True) splits axis {axis} (the "
+              f"Tensor parallelism splits axis {axis} (the "
               f"{what}) of layer {layer.name!r}'s input over devices; its "
               f"noise_shape={tuple(noise)!r} fixes that axis to "
               f"{noise[axis]}, but only None (the whole axis) or 1 "
@@ -117,7 +141,7 @@ def check_layouts(layer_layouts, sequence_parallel=False, model=None):
         model, [layout.layer for layout in layer_layouts]):
       if not blocks.is_block(container):
         raise ValueError(
-            f"TensorParallelStrategy(spmd=True, sequence_parallel=True) "
+            f"TensorParallelStrategy(sequence_parallel=True) "
             f"cannot run layer {container.name!r} "
             f"({type(container).__name__}) on sequence slices: it holds "
             f"split layers, and sequence parallelism runs on slices the "
@@ -132,7 +156,7 @@ def check_layouts(layer_layouts, sequence_parallel=False, model=None):
     if sequence_parallel and reversible and getattr(layer, "mask_zero",
                                                     False):
       raise ValueError(
-          f"TensorParallelStrategy(spmd=True, sequence_parallel=True) "
+          f"TensorParallelStrategy(sequence_parallel=True) "
           f"cannot split layer {layer.name!r} ({type(layer).__name__}) "
           f"with mask_zero=True: its output is a sequence slice, its Keras "
           f"mask the whole sequence's; {_RULE}. Pass a padding mask "
@@ -140,9 +164,9 @@ def check_layouts(layer_layouts, sequence_parallel=False, model=None):
     if layout.kind == layouts.EMBEDDING and (
         type(layer) is not keras.layers.Embedding and not reversible):
       raise ValueError(
-          f"TensorParallelStrategy(spmd=True) splits keras.layers.Embedding "
+          f"Tensor parallelism splits keras.layers.Embedding "
           f"and ReversibleEmbedding tables only; layer {layer.name!r} is a "
-          f"{type(layer).__name__}; {_RULE}. Use spmd=False, or give it "
+          f"{type(layer).__name__}; {_RULE}. Give it "
           f"tfpar.Replicate().")
     if layout.kind not in (layouts.DENSE, layouts.EINSUM, layouts.ATTENTION,
                            layouts.HEADS, layouts.EMBEDDING) or not isinstance(
@@ -150,5 +174,5 @@ def check_layouts(layer_layouts, sequence_parallel=False, model=None):
                                               styles.RowParallel,
                                               styles.VocabParallel)):
       raise ValueError(
-          f"TensorParallelStrategy(spmd=True) cannot split layer "
+          f"Tensor parallelism cannot split layer "
           f"{layer.name!r} as {layout.kind} {layout.style}; {_RULE}.")

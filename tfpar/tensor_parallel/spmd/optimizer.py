@@ -13,6 +13,7 @@
 """
 
 from keras import ops
+import numpy as np
 import tensorflow as tf
 
 from tfpar._compat import keras_layers
@@ -20,7 +21,6 @@ from tfpar._compat import keras_optimizers
 from tfpar.common import instrument
 from tfpar.common.clipping import clip_by_norm_of
 from tfpar.common.clipping import clips
-from tfpar.tensor_parallel import optimizer as tp_optimizer
 from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import sequence
 from tfpar.tensor_parallel.spmd import weights
@@ -124,8 +124,7 @@ def _clip_over_group(optimizer, model, groups):
 def rebuild_for_shards(model):
   """Replaces `model.optimizer`, built for the weights before sharding
   (`keras.models.load_model` in the strategy's scope), by a twin built for
-  the SPMD shards that carries over its whole state
-  (`tensor_parallel.optimizer.rebuild_for_shards`).
+  the SPMD shards that carries over its whole state.
 
   Args:
     model: a model just sharded whose optimizer is built.
@@ -133,6 +132,16 @@ def rebuild_for_shards(model):
   Raises:
     ValueError: the twin's whole state does not match the old one's.
   """
-  tp_optimizer.rebuild_for_shards(
-      model, prepare=lambda twin: None,
-      entries_of=lambda twin: weights.optimizer_entries(twin, model))
+  old = model.optimizer
+  state = [np.asarray(v.numpy()) for v in old.variables]
+  new = type(old).from_config(old.get_config())
+  new.build(model.trainable_variables)
+  entries = weights.optimizer_entries(new, model)
+  if len(entries) != len(state):
+    raise ValueError(
+        f"Cannot carry the state of optimizer {old.name!r} over to the "
+        f"sharded model: it had {len(state)} variables, its sharded twin "
+        f"{len(entries)}.")
+  for entry, value in zip(entries, state):
+    entry.assign(value)
+  model.optimizer = new

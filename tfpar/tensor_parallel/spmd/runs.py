@@ -63,7 +63,7 @@ class PerDeviceRuns:
     if tf.executing_eagerly():
       raise ValueError(
           f"{checks.EAGER_REFUSAL}. Received: an eager strategy.run; call "
-          f"it inside a tf.function, or use spmd=False.")
+          f"it inside a tf.function.")
     t = self.tensor_size
     ids = [spmd_run.DeviceReplicaId(self._first_replica + index // t, index,
                                     index % t)

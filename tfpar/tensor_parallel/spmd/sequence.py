@@ -24,16 +24,31 @@ from tfpar._compat import keras_hub_blocks
 from tfpar._compat import keras_layers
 from tfpar._compat import keras_optimizers
 from tfpar._compat import spmd_run
+from tfpar._compat.keras_modules import keras_ops
 from tfpar._compat.keras_modules import tree
 from tfpar.common import instrument
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import rounding
-from tfpar.tensor_parallel import sequence as tp_sequence
 from tfpar.tensor_parallel.spmd import blocks
 from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import slice_graph
 
 AXIS = 1  # [batch, sequence, ...]
+
+_POSITION_WISE = (
+    keras.layers.Activation, keras.layers.Add, keras.layers.Subtract,
+    keras.layers.Multiply, keras.layers.ReLU, keras_ops.numpy.Add,
+    keras_ops.numpy.Subtract, keras_ops.numpy.Multiply,
+)
+
+
+def _is_layer_norm_over_features(operation):
+  if not isinstance(operation, keras.layers.LayerNormalization):
+    return False
+  axes = operation.axis if isinstance(operation.axis, (list, tuple)) else [
+      operation.axis]
+  return all(a == -1 or a >= 2 for a in axes)
+
 
 def is_position_wise(operation):
   """Whether `operation` computes each position of the sequence alone (a
@@ -45,7 +60,8 @@ def is_position_wise(operation):
     return all(a == -1 or a >= 2 for a in axes)
   return type(operation) is keras.layers.Dropout or (
       keras_hub_blocks.is_position_wise_norm(operation) or
-      tp_sequence.is_position_wise(operation, dropout=False))
+      _is_layer_norm_over_features(operation) or
+      type(operation) in _POSITION_WISE)
 
 
 def splits(x, tensor_size, layer):

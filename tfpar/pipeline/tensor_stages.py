@@ -1,5 +1,5 @@
-"""`SpmdPipelineParallelExtended`: tensor-parallel pipeline stages (3D)
-under SPMD, `PipelineParallelStrategy(..., spmd=True)`.
+"""`TensorStagesExtended`: tensor-parallel pipeline stages (3D),
+`PipelineParallelStrategy` on a mesh with a tensor axis.
 
 A replica's step is traced once per tensor column k: the thread of column
 k runs the whole schedule on the k-th device of every stage (stage s on
@@ -22,7 +22,10 @@ devices). Variables outside the stages (metrics, the optimizer's step
 counter) live on stage 0's devices.
 """
 
+import numpy as np
+
 from tfpar._compat import spmd_run
+from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.pipeline import executor
@@ -43,17 +46,14 @@ from tfpar.tensor_parallel.spmd import weights as weights_lib
 from tfpar.tensor_parallel.spmd import zero_hooks
 
 
-class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
-                                   spmd_run.DeviceReplicaIds,
-                                   zero_hooks.ZeroHooks,
-                                   reductions.PerDeviceReductions,
-                                   extended_lib.PipelineParallelExtended):
-  """The logic of `tfpar.PipelineParallelStrategy` with a tensor axis and
-  `spmd=True` (arguments as `PipelineParallelExtended`'s)."""
+class TensorStagesExtended(runs.PerDeviceRuns,
+                           spmd_run.DeviceReplicaIds,
+                           zero_hooks.ZeroHooks,
+                           reductions.PerDeviceReductions,
+                           extended_lib.PipelineParallelExtended):
+  """The logic of `tfpar.PipelineParallelStrategy` with a tensor axis
+  (arguments as `PipelineParallelExtended`'s)."""
 
-  # A stage's replicated weights live on every device of its tensor group
-  # (`describe` lists them there).
-  replicated_on_every_device = True
 
   def __init__(self, container_strategy, mesh, num_microbatches, schedule,
                stages, recompute, virtual_stages, plan,
@@ -107,6 +107,42 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
     return tuple(group[column + k] for group in self._local_groups
                  for k in range(t))
 
+  def prepare_optimizer(self, optimizer, model):
+    """Once `model` is cut, makes `optimizer` work on the stages' shards
+    (whole-slot checkpoints, clipping by whole weights)."""
+    if self.is_prepared(model):
+      self._adopt(optimizer, model)
+
+  def tensor_layouts(self, model):
+    layer_layouts = self.plan.resolve(model, self.tensor_size)
+    self._check_layouts(model, layer_layouts)
+    return layer_layouts
+
+  def _shard_stages(self, model, plan, layer_layouts):
+    """Splits each stage's layers over the stage's tensor groups."""
+    stage_of = plan.stage_of_layers()
+    by_stage = {stage.index: [l for l in layer_layouts
+                              if stage_of.get(id(l.layer)) == stage.index]
+                for stage in plan.stages}
+    shard = self._stage_layout_sharder(stage_of)
+    # Interleaved over the stages: split weights created spread over every
+    # device leave each about as fast as its shards arrive (engine/spread).
+    layout_bytes = lambda l: sum(np.prod(v.shape) for v in l.variables)
+    for index, layout in placement.interleaved(by_stage, layout_bytes):
+      shard(index, layout)
+    for stage in plan.stages:
+      dropout_lib.install(stage.model, by_stage[stage.index],
+                          self._memos[stage.index % self.pipeline_size])
+    object.__setattr__(model, "_tfpar_layouts", layer_layouts)
+    whole_weights.install(model)
+    # The stage models are Models of their own over the same layers: their
+    # `trainable_weights` (read for regularization losses) must list the
+    # shards too, not their layers' whole weights.
+    for stage in plan.stages:
+      whole_weights.install(stage.model)
+    if getattr(model, "optimizer", None) is not None:
+      self._adopt(model.optimizer, model)
+
   def _check_layouts(self, model, layer_layouts):
     checks.check_model(model, False)
     checks.check_layouts(layer_layouts, False, model)
@@ -147,12 +183,6 @@ class SpmdPipelineParallelExtended(runs.PerDeviceRuns,
       layers_lib.install(layout, self._memos[device], paired)
       object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     return shard
-
-  def _sharded(self, model, plan, layer_layouts, by_stage):
-    for stage in plan.stages:
-      dropout_lib.install(stage.model, by_stage[stage.index],
-                          self._memos[stage.index % self.pipeline_size])
-    super()._sharded(model, plan, layer_layouts, by_stage)
 
   def _adopt(self, optimizer, model):
     optimizer_lib.adopt(optimizer, model, self._groups,
