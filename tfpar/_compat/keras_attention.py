@@ -1,25 +1,13 @@
 """Private parts of `keras.layers.MultiHeadAttention`.
 
-Tensor parallelism splits a stock `MultiHeadAttention` by heads: it runs
-the layer's own projections (`_query_dense`...) and attention step
-(`_compute_attention`, after `_compute_attention_mask`) once per device on
-that device's heads. Keras exposes none of them publicly. The names are
-checked at import (`Incompatible` if one moved).
+Tensor parallelism splits a stock `MultiHeadAttention` by heads through
+its projections (`_query_dense`...) and head count, and draws its
+attention dropout (`_dropout_layer`, over `_attention_axes`) as one device
+would. Keras exposes none of them publicly; each is read through
+`require` (`Incompatible` if one moved).
 """
 
-import inspect
-
-import keras
-
 from tfpar._compat.checks import require
-
-_MHA = keras.layers.MultiHeadAttention
-for _name in ("_compute_attention", "_compute_attention_mask"):
-  require(_MHA, _name, "splitting MultiHeadAttention by heads")
-
-# Keras >= 3.13 lets _compute_attention apply a plain causal mask itself.
-COMPUTES_CAUSAL_MASK = "use_causal_mask" in inspect.signature(
-    _MHA._compute_attention).parameters  # pylint: disable=protected-access
 
 # The attributes of a MultiHeadAttention holding its projections and head
 # count (keras-hub subclasses share them).
@@ -42,20 +30,3 @@ def projections(layer):
     parts["gate"] = gate
   return parts
 
-
-def computes_plain_causal_mask(layer):
-  """Whether `layer._compute_attention` itself applies a causal mask (the
-  stock one, without a sliding window)."""
-  return (COMPUTES_CAUSAL_MASK and
-          getattr(layer, "_sliding_window", None) is None and
-          type(layer)._compute_attention is _MHA._compute_attention)  # pylint: disable=protected-access
-
-
-def compute_attention_mask(layer, query, value, **kwargs):
-  """The layer's combined attention mask (Keras's own computation)."""
-  return layer._compute_attention_mask(query, value, **kwargs)  # pylint: disable=protected-access
-
-
-def compute_attention(layer, *args, **kwargs):
-  """The layer's attention step on projected query, key and value."""
-  return layer._compute_attention(*args, **kwargs)  # pylint: disable=protected-access

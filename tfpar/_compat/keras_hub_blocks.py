@@ -1,6 +1,6 @@
 """keras-hub's transformer blocks as sequence parallelism sees them.
 
-Under `TensorParallelStrategy(spmd=True, sequence_parallel=True)` a
+Under `TensorParallelStrategy(sequence_parallel=True)` a
 keras-hub block runs its own `call` on each device's slice of the sequence
 (`tensor_parallel/spmd/blocks.py`). Everything in it is position-wise but
 attention, which gathers the sequence, and the attention mask, which the

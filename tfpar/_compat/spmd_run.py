@@ -1,5 +1,5 @@
 """Running a replica function once per device of every tensor group (the
-SPMD execution of `TensorParallelStrategy(..., spmd=True)`).
+SPMD execution of tensor, pipeline and expert parallelism, `engine/per_device/`).
 
 TensorFlow's mirrored machinery runs one thread per replica device and
 gives each a replica context whose id picks the replica's component of

@@ -4,7 +4,7 @@ Every device of a replica's tensor group holds the replica's tokens (the
 output of tensor-parallel attention is whole on each device) and routes
 them itself, so the replica needs no head to forward rows: the device in
 tensor column k keeps the rows of its own experts (expert slot `j * t + k`
-on the replica of expert rank j, `spmd_extended.py`) and exchanges them
+on the replica of expert rank j, `tensor_extended.py`) and exchanges them
 with the k-th devices of its expert group in an all-to-all, runs its
 experts on what it received, and sends the outputs back in a second
 all-to-all. The tensor group then all-gathers the outputs of every
@@ -20,8 +20,8 @@ partial sum (Megatron's scatter / gather pair around the experts).
 
 import tensorflow as tf
 
+from tfpar.engine.per_device import collectives
 from tfpar.expert_parallel import comm
-from tfpar.tensor_parallel.spmd import collectives
 
 
 def exchange(buffer, expert, tensor_groups, launcher, run_experts, layer):

@@ -3,12 +3,12 @@
 `ExpertTensorParallelExtended` (data x tensor mesh)."""
 
 from tfpar.engine import strategy as engine_strategy
+from tfpar.engine.per_device import checks as per_device_checks
 from tfpar.expert_parallel import extended as extended_lib
 from tfpar.expert_parallel import groups as groups_lib
 from tfpar.expert_parallel import routing
 from tfpar.expert_parallel import tensor_extended
 from tfpar.tensor_parallel import plan as plan_lib
-from tfpar.tensor_parallel.spmd import checks as spmd_checks
 
 
 class ExpertParallelStrategy(engine_strategy.MeshStrategy):
@@ -49,7 +49,7 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
       `tf.distribute.experimental.CommunicationOptions`.
     plan: with a tensor axis, a `tfpar.ShardingPlan` (or list of rules)
       for the weights other than the experts; None: the built-in plans.
-    spmd: only True (the default), the one design: with a tensor axis
+    spmd: True (the default) or None, the one design: with a tensor axis
       every device of a tensor group traces the step, tensor-parallel
       reductions are collectives of the group (as
       `TensorParallelStrategy`), and each device routes its copy of the
@@ -109,7 +109,7 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
 
   def __init__(self, mesh=None, expert=2, capacity_factor=None,
                communication_options=None, plan=None, spmd=True):
-    spmd_checks.check_spmd(spmd, "ExpertParallelStrategy")
+    per_device_checks.check_spmd(spmd, "ExpertParallelStrategy")
     routing.check_capacity_factor(capacity_factor)
     self._expert = expert
     self._capacity_factor = capacity_factor
@@ -129,7 +129,7 @@ class ExpertParallelStrategy(engine_strategy.MeshStrategy):
           f"does not have (tensor=1). Received: plan={self._plan!r}")
     groups_lib.check_expert_size(self._expert, mesh.num_replicas)
     if mesh.shape["tensor"] > 1:
-      spmd_checks.check_strategy(mesh)
+      per_device_checks.check_strategy(mesh)
 
   def _make_extended(self, mesh, communication_options):
     if mesh.shape["tensor"] > 1:

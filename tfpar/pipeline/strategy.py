@@ -7,6 +7,7 @@ import warnings
 from tfpar import mesh as mesh_lib
 from tfpar.engine import strategy as engine_strategy
 from tfpar.engine import training_summary
+from tfpar.engine.per_device import checks as per_device_checks
 from tfpar.pipeline import cross_worker
 from tfpar.pipeline import expert_extended
 from tfpar.pipeline import experts
@@ -14,9 +15,8 @@ from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
 from tfpar.pipeline import schedules
 from tfpar.pipeline import tensor_stages
-from tfpar.tensor_parallel import rounding as tensor_rounding
 from tfpar.tensor_parallel import plan as plan_lib
-from tfpar.tensor_parallel.spmd import checks as spmd_checks
+from tfpar.tensor_parallel import rounding as tensor_rounding
 
 
 class PipelineParallelStrategy(engine_strategy.MeshStrategy):
@@ -131,8 +131,7 @@ class PipelineParallelStrategy(engine_strategy.MeshStrategy):
                communication_dtype="float32", expert=None,
                capacity_factor=None, spmd=None):
     experts.check_options(expert, capacity_factor, schedule, recompute)
-    spmd_checks.check_spmd(spmd, "PipelineParallelStrategy",
-                           allowed=(None, True))
+    per_device_checks.check_spmd(spmd, "PipelineParallelStrategy")
     self._expert = expert
     self._capacity_factor = capacity_factor
     if (not isinstance(num_microbatches, numbers.Integral) or

@@ -17,39 +17,34 @@ weight's component on the k-th holds shard k (`spmd/weights.py`), a
 replicated weight is the same on all. Each thread's replica id selects
 the components of its column (`DeviceReplicaId`), whatever the stage.
 Gradients are all-reduced over the data replicas within each device
-column of each stage (`spmd/reductions.py`, by the column of the
+column of each stage (`engine/per_device/reductions.py`, by the column of the
 devices). Variables outside the stages (metrics, the optimizer's step
 counter) live on stage 0's devices.
 """
 
 import numpy as np
 
-from tfpar._compat import spmd_run
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
+from tfpar.engine.per_device import checks as per_device_checks
+from tfpar.engine.per_device import collectives
+from tfpar.engine.per_device import extended as per_device_extended
 from tfpar.pipeline import executor
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles as tp_styles
 from tfpar.tensor_parallel.spmd import checks
-from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
 from tfpar.tensor_parallel.spmd import layers as layers_lib
 from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
-from tfpar.tensor_parallel.spmd import reductions
-from tfpar.tensor_parallel.spmd import runs
 from tfpar.tensor_parallel.spmd import terms
 from tfpar.tensor_parallel.spmd import weights as weights_lib
-from tfpar.tensor_parallel.spmd import zero_hooks
 
 
-class TensorStagesExtended(runs.PerDeviceRuns,
-                           spmd_run.DeviceReplicaIds,
-                           zero_hooks.ZeroHooks,
-                           reductions.PerDeviceReductions,
+class TensorStagesExtended(per_device_extended.PerDeviceExtended,
                            extended_lib.PipelineParallelExtended):
   """The logic of `tfpar.PipelineParallelStrategy` with a tensor axis
   (arguments as `PipelineParallelExtended`'s)."""
@@ -58,7 +53,7 @@ class TensorStagesExtended(runs.PerDeviceRuns,
   def __init__(self, container_strategy, mesh, num_microbatches, schedule,
                stages, recompute, virtual_stages, plan,
                communication_options=None, float32_sums=False):
-    checks.check_strategy(mesh)
+    per_device_checks.check_strategy(mesh)
     super().__init__(container_strategy, mesh, num_microbatches, schedule,
                      stages, recompute, virtual_stages, plan,
                      communication_options, float32_sums)

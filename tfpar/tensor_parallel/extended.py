@@ -14,9 +14,9 @@ replica runs:
   its group and traces the replica function once per device (replica
   threads whose replica id is the data replica, `_compat/spmd_run.py`);
   the traces communicate by collectives among the group
-  (`spmd/collectives.py`);
+  (`engine/per_device/collectives.py`);
 * gradients (one per device) are all-reduced over the data replicas within
-  each tensor column (`spmd/reductions.py`): shard k's over the k-th
+  each tensor column (`engine/per_device/reductions.py`): shard k's over the k-th
   devices, a replicated weight's copies alike on every column (they are
   equal by construction);
 * values leaving a replica (losses, metrics, predictions) are taken from
@@ -30,23 +30,21 @@ builds.
 """
 
 from tfpar._compat import keras_layers
-from tfpar._compat import spmd_run
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
+from tfpar.engine.per_device import checks as per_device_checks
+from tfpar.engine.per_device import collectives
+from tfpar.engine.per_device import extended as per_device_extended
 from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel.spmd import checks
-from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
 from tfpar.tensor_parallel.spmd import layers as layers_lib
 from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
-from tfpar.tensor_parallel.spmd import reductions
-from tfpar.tensor_parallel.spmd import runs
 from tfpar.tensor_parallel.spmd import sequence as sequence_lib
 from tfpar.tensor_parallel.spmd import terms
 from tfpar.tensor_parallel.spmd import weights as weights_lib
-from tfpar.tensor_parallel.spmd import zero_hooks
 
 
 def _materialize(model, strategy, skip=frozenset()):
@@ -57,11 +55,7 @@ def _materialize(model, strategy, skip=frozenset()):
       spread.materialize(variable, strategy)
 
 
-class TensorParallelExtended(runs.PerDeviceRuns,
-                             spmd_run.DeviceReplicaIds,
-                             zero_hooks.ZeroHooks,
-                             reductions.PerDeviceReductions,
-                             engine_extended.MeshExtended):
+class TensorParallelExtended(per_device_extended.PerDeviceExtended):
   """The logic of `tfpar.TensorParallelStrategy`.
 
   Args:
@@ -85,7 +79,7 @@ class TensorParallelExtended(runs.PerDeviceRuns,
   def __init__(self, container_strategy, mesh, plan,
                communication_options=None, sequence_parallel=False,
                float32_sums=False):
-    checks.check_strategy(mesh)
+    per_device_checks.check_strategy(mesh)
     super().__init__(container_strategy, mesh, communication_options)
     self._plan = plan
     self._sequence_parallel = sequence_parallel

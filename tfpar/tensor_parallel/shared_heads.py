@@ -16,7 +16,7 @@ So each device computes the key/value head its query heads use from the
 whole projection (`head_slice`); the first device sharing a head takes the
 head's kernel gradient from all its sharers' query-head gradients, summed
 in the compute dtype as one device's repeat sums them
-(`spmd/layers._shared_head`, `spmd/collectives.summed_by_first_sharer`).
+(`spmd/layers._shared_head`, `engine/per_device/collectives.summed_by_first_sharer`).
 Where the layer's call rotates the key before repeating it (`rotary_of`),
 that sum comes after the rotation, as on one device.
 """

@@ -2,10 +2,10 @@
 `TensorParallelExtended`."""
 
 from tfpar.engine import strategy as engine_strategy
+from tfpar.engine.per_device import checks as per_device_checks
 from tfpar.tensor_parallel import extended as extended_lib
-from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import plan as plan_lib
-from tfpar.tensor_parallel.spmd import checks as spmd_checks
+from tfpar.tensor_parallel import rounding
 
 
 class TensorParallelStrategy(engine_strategy.MeshStrategy):
@@ -35,7 +35,7 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       Mirrored's spread from one device) or `"compute"` (the compute dtype,
       as Megatron-LM: half those bytes, each device rounding its partial
       sums before they are added). No effect under `float32`.
-    spmd: only True (the default) is accepted: every device of a tensor
+    spmd: True (the default) or None, the one design: every device of a tensor
       group traces its own copy of the step and computes the replicated
       work itself (LayerNorms, residual adds, dropout, the loss); the
       tensor-parallel all-reduces, reduce-scatters and all-gathers are
@@ -68,7 +68,7 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,
                communication_options=None, communication_dtype="float32",
                spmd=True):
-    spmd_checks.check_spmd(spmd, "TensorParallelStrategy")
+    per_device_checks.check_spmd(spmd, "TensorParallelStrategy")
     if not isinstance(sequence_parallel, bool):
       raise ValueError(f"sequence_parallel must be True or False. Received: "
                        f"sequence_parallel={sequence_parallel!r}")
@@ -89,7 +89,7 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
           f"TensorParallelStrategy runs on data x tensor meshes; this mesh "
           f"has pipeline={mesh.shape['pipeline']}. Use "
           f"tfpar.PipelineParallelStrategy for pipeline stages.")
-    spmd_checks.check_strategy(mesh)
+    per_device_checks.check_strategy(mesh)
 
   @property
   def plan(self):

@@ -2,10 +2,9 @@
 clips: each norm summed over every replica's slices, and over the shards
 of a tensor-parallel weight.
 
-Under the head design a weight's shards are variables of their own,
-grouped by `_tfpar_shard_of`; under SPMD a split weight is one variable
-holding a different shard on each device of a tensor group, and the
-strategy's `zero_sum_over_shards` sums its norm over the group.
+A split weight is one variable holding a different shard on each device
+of a tensor group, and the strategy's `zero_sum_over_shards` sums its
+norm over the group.
 """
 
 import threading

@@ -28,7 +28,7 @@ import tensorflow as tf
 from tfpar._compat import keras_hub_blocks
 from tfpar._compat import keras_layers
 from tfpar._compat.keras_modules import tree
-from tfpar.tensor_parallel.spmd import collectives
+from tfpar.engine.per_device import collectives
 
 AXIS = 1
 
@@ -120,7 +120,7 @@ def run(block, call, args, kwargs, slices):
   for y in tree.flatten(outputs):
     if tf.is_tensor(y) and not slices.is_sliced(y):
       raise ValueError(
-          f"TensorParallelStrategy(spmd=True, sequence_parallel=True) runs "
+          f"TensorParallelStrategy(sequence_parallel=True) runs "
           f"keras-hub block {block.name!r} ({type(block).__name__}) on "
           f"sequence slices, but its output {y.name} (shape {y.shape}) is "
           f"not computed position by position from them: something in the "

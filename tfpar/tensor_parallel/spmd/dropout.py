@@ -37,9 +37,9 @@ from tfpar._compat import keras_hub_names
 from tfpar._compat import keras_layers
 from tfpar._compat import spmd_run
 from tfpar._compat.checks import member
+from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
-from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import sequence
 
 # {family class name: axes of its attention Dropout's input holding the
@@ -86,7 +86,7 @@ def attention_dropout(layer):
     family = families.family_of(layer)
     if family.class_name not in _HEAD_AXES:
       raise ValueError(
-          f"TensorParallelStrategy(spmd=True) does not know where layer "
+          f"Tensor parallelism does not know where layer "
           f"{layer.name!r} ({type(layer).__name__}) applies its attention "
           f"dropout: every attention family must have an entry in "
           f"tfpar/tensor_parallel/spmd/dropout.py's _HEAD_AXES.")

@@ -5,8 +5,8 @@ head)."""
 from keras import ops
 
 from tfpar._compat.keras_modules import backend
+from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import rounding
-from tfpar.tensor_parallel.spmd import collectives
 
 
 def vocab(layer, memo):

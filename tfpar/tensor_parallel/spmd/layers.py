@@ -31,6 +31,7 @@ is summed in float32. With `"compute"` they cross in the compute dtype.
 import keras
 from keras import ops
 
+from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import builtin
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
@@ -38,7 +39,6 @@ from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import shared_heads
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
-from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import embeddings
 from tfpar.tensor_parallel.spmd import terms
 
@@ -200,13 +200,13 @@ def _install_heads(layer_layout, memo):
       raise ValueError(
           f"Layer {layer.name!r} ({type(layer).__name__}) did not rotate its "
           f"key projection's output with its rotary embedding layer, which "
-          f"TensorParallelStrategy(spmd=True) relies on to sum a key head "
+          f"Tensor parallelism relies on to sum a key head "
           f"shared by {sharers} devices as one device does.")
     if isinstance(result, (tuple, list)):
       raise ValueError(
           f"Layer {layer.name!r} ({type(layer).__name__}) returned "
           f"{len(result)} values (a key/value cache or attention scores); "
-          f"TensorParallelStrategy(spmd=True) computes the attention output "
+          f"Tensor parallelism computes the attention output "
           f"only (training, evaluation, prediction without a cache).")
     return result
   _set_call(layer, call)

@@ -7,8 +7,8 @@ all-reduce).
 import weakref
 
 from tfpar._compat import keras_layers
+from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import rounding
-from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import sequence
 
 
@@ -57,8 +57,7 @@ class Memo:
     projection `layer` reading it: each projection's input gradient is
     summed over the group in float32 and rounded alone, by its copy's
     cast, as one device rounds each projection's input gradient before
-    adding them (one all-reduce per projection, as the head design's
-    reductions). A sequence slice is gathered once for all of them."""
+    adding them (one all-reduce per projection). A sequence slice is gathered once for all of them."""
     sliced = self.slices is not None and (
         self.slices.is_sliced(x) or x.ref() in self.slices.gathered or
         _cast_of(x, self.slices.gathered))

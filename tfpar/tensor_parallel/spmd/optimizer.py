@@ -21,7 +21,7 @@ from tfpar._compat import keras_optimizers
 from tfpar.common import instrument
 from tfpar.common.clipping import clip_by_norm_of
 from tfpar.common.clipping import clips
-from tfpar.tensor_parallel.spmd import collectives
+from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel.spmd import sequence
 from tfpar.tensor_parallel.spmd import weights
 

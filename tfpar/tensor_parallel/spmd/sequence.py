@@ -27,10 +27,10 @@ from tfpar._compat import spmd_run
 from tfpar._compat.keras_modules import keras_ops
 from tfpar._compat.keras_modules import tree
 from tfpar.common import instrument
+from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel.spmd import blocks
-from tfpar.tensor_parallel.spmd import collectives
 from tfpar.tensor_parallel.spmd import slice_graph
 
 AXIS = 1  # [batch, sequence, ...]
@@ -234,7 +234,7 @@ def install(model, slices):
 
   if not spmd_run.wrap_graph_run(model, wrap, finish):
     raise ValueError(
-        f"TensorParallelStrategy(spmd=True, sequence_parallel=True) needs a "
+        f"TensorParallelStrategy(sequence_parallel=True) needs a "
         f"functional or Sequential model (it runs the model's graph "
         f"operation by operation); {model.name!r} has no graph. Use "
         f"sequence_parallel=False.")

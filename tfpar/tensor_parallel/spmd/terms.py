@@ -15,10 +15,10 @@ slices).
 import copy
 
 from tfpar.common import piece_terms
+from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
 from tfpar.tensor_parallel import variables as variables_lib
-from tfpar.tensor_parallel.spmd import collectives
 
 
 def check(layer_layouts, paired, sequence_parallel):

@@ -16,10 +16,10 @@ import tensorflow as tf
 
 from tfpar._compat import keras_layers
 from tfpar.common import optimizer_checkpoint
-from tfpar.common.split_weights import install_logical_saving
 from tfpar.common.split_weights import LogicalTensor
-from tfpar.common.split_weights import record_logical_weight
 from tfpar.common.split_weights import ShardedWeight
+from tfpar.common.split_weights import install_logical_saving
+from tfpar.common.split_weights import record_logical_weight
 from tfpar.engine import whole_state
 from tfpar.tensor_parallel import variables as variables_lib
 from tfpar.tensor_parallel.spmd import terms

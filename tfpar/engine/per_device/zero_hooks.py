@@ -1,6 +1,6 @@
-"""What `tfpar.ZeRO` asks of the SPMD strategy: hooks on its extended,
-looked up by name (as `column_of` serves ZeRO under the head design), so
-neither parallelism imports the other.
+"""What `tfpar.ZeRO` asks of a per-device (SPMD) strategy: hooks on its
+extended, looked up by name, so neither ZeRO nor the parallelisms import
+each other.
 
 Under SPMD every variable has a component on each `data x tensor` device
 (replica-major) and every device traces the step. ZeRO slices each
@@ -15,11 +15,11 @@ import tensorflow as tf
 from tfpar._compat import distribute
 from tfpar._compat import keras_layers
 from tfpar.common import instrument
-from tfpar.tensor_parallel.spmd import collectives
+from tfpar.engine.per_device import collectives
 
 
 class ZeroHooks:
-  """Mixin of `SpmdTensorParallelExtended` and `SpmdPipelineParallelExtended`
+  """Mixin of `PerDeviceExtended` (tensor parallelism, tensor-parallel stages)
   (needs `tensor_size`, `_groups`, `_sequence_parallel` and
   `partial_weights`: the weights whose gradients are partial)."""
 

@@ -1,5 +1,5 @@
 """`PerDeviceRuns`: running a replica function once per device of every
-tensor group (SPMD), for `SpmdTensorParallelExtended` and the SPMD
+tensor group (SPMD), for `PerDeviceExtended` (tensor parallelism and the
 pipeline's tensor-parallel stages.
 
 Each replica's inputs are handed to every device of its group, the
@@ -14,7 +14,7 @@ from tfpar import watchdog
 from tfpar._compat import spmd_run
 from tfpar._compat.tf_modules import nest
 from tfpar._compat.tf_modules import values_lib
-from tfpar.tensor_parallel.spmd import checks
+from tfpar.engine.per_device import checks
 
 
 def _is_values(value):

@@ -41,7 +41,7 @@ class TensorGroups:
       specs = [tf.DeviceSpec.from_string(d) for d in group]
       if specs != sorted(specs, key=lambda s: (s.task or 0, s.device_index)):
         raise ValueError(
-            f"TensorParallelStrategy(spmd=True) needs each tensor group's "
+            f"Tensor parallelism needs each tensor group's "
             f"devices in TensorFlow's collective order (by device index); "
             f"this mesh has the group {list(group)}. List the mesh's "
             f"devices in index order.")
@@ -90,7 +90,7 @@ def _outside_replica(layer):
     return True
   raise ValueError(
       f"Layer {layer!r} is split over the tensor axis of a "
-      f"TensorParallelStrategy with spmd=True, whose shards compute only "
+      f"tensor parallelism, whose shards compute only "
       f"inside the strategy's replicas (model.fit / evaluate / predict, or "
       f"strategy.run inside a tf.function). It was called outside them.")
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tfpar._compat import distribute
 from tfpar._compat.tf_modules import nest
 from tfpar._compat.tf_modules import values_lib
-from tfpar.tensor_parallel.spmd import collectives
+from tfpar.engine.per_device import collectives
 
 
 def _components(value):
@@ -23,7 +23,7 @@ def _components(value):
 
 
 class PerDeviceReductions:
-  """Mixin of `SpmdTensorParallelExtended` (before TensorFlow's extended
+  """Mixin of `PerDeviceExtended` (before TensorFlow's extended
   in the MRO); needs its `_groups` and `tensor_size`."""
 
   def _is_per_device(self, value):
