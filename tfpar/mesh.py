@@ -23,6 +23,7 @@ from tfpar.mesh_axes import AXES
 from tfpar.mesh_axes import resolve_sizes
 from tfpar.mesh_axes import SizeMismatch
 from tfpar.mesh_axes import axis_position
+from tfpar.tpu import slice_mesh
 
 
 class Mesh:
@@ -104,9 +105,10 @@ class Mesh:
     ...     "task": {"type": "worker", "index": 0}})
     >>> mesh = tfpar.Mesh.from_cluster_resolver(data=-1)  # doctest: +SKIP
     """
-    from tfpar import tpu  # pylint: disable=g-import-not-at-top
-    if topology is not None or tpu.is_tpu_resolver(resolver):
-      return tpu.mesh_from_resolver(resolver, axis_sizes, topology=topology)
+    if topology is not None or slice_mesh.is_tpu_resolver(resolver):
+      shape, devices, layout = slice_mesh.slice_parts(
+          resolver, axis_sizes, topology=topology)
+      return cls(shape, devices, _tpu=layout)
     layout = cluster_lib.layout_from_resolver(resolver)
     if layout is None:
       return cls(axis_sizes or None)

@@ -29,10 +29,10 @@ from tfpar.tpu.assignment import device_assignment
 from tfpar.tpu.slice_mesh import describe
 from tfpar.tpu.slice_mesh import initialize_topology
 from tfpar.tpu.slice_mesh import is_tpu_resolver
-from tfpar.tpu.slice_mesh import mesh_from_resolver
+from tfpar.tpu.slice_mesh import slice_parts
 from tfpar.tpu.slice_mesh import tpu_strategy
 from tfpar.tpu.slice_mesh import TPULayout
 
 __all__ = ["TPULayout", "core_order", "describe", "device_assignment",
-           "initialize_topology", "is_tpu_resolver", "mesh_from_resolver",
+           "initialize_topology", "is_tpu_resolver", "slice_parts",
            "tpu_strategy"]

@@ -11,7 +11,7 @@ of one host, pipeline stages come next and data replicas are outermost.
 import numpy as np
 import tensorflow as tf
 
-from tfpar import mesh as mesh_lib
+from tfpar import mesh_axes
 
 
 def core_order(topology):
@@ -110,8 +110,8 @@ def mesh_shape(topology, axis_sizes):
   hosts, per_host = topology.num_tasks, topology.num_tpus_per_task
   per_chip = int(topology.mesh_shape[-1])
   try:
-    shape = mesh_lib.resolve_sizes(axis_sizes, hosts * per_host)
-  except mesh_lib.SizeMismatch as e:
+    shape = mesh_axes.resolve_sizes(axis_sizes, hosts * per_host)
+  except mesh_axes.SizeMismatch as e:
     raise ValueError(
         f"{e} The TPU slice has {hosts} host(s) x {per_host} core(s) = "
         f"{hosts * per_host} cores (mesh_shape="

@@ -6,7 +6,6 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from tfpar import mesh as mesh_lib
 from tfpar._compat import runtime
 from tfpar.tpu import assignment as assignment_lib
 
@@ -78,11 +77,10 @@ def initialize_topology(resolver=None):
   return tf.tpu.experimental.initialize_tpu_system(resolver)
 
 
-def mesh_from_resolver(resolver=None, axis_sizes=None, *, topology=None,
-                       job=None):
-  """Builds a `tfpar.Mesh` over the TPU cores of a slice.
-
-  `tfpar.Mesh.from_cluster_resolver` calls this for a `TPUClusterResolver`
+def slice_parts(resolver=None, axis_sizes=None, *, topology=None, job=None):
+  """What a `tfpar.Mesh` over the TPU cores of a slice is made of:
+  `(shape, devices, TPULayout)`. `tfpar.Mesh.from_cluster_resolver` (and
+  `mesh_from_resolver`) build the mesh from them for a `TPUClusterResolver`
   or a `topology`.
 
   Args:
@@ -95,8 +93,8 @@ def mesh_from_resolver(resolver=None, axis_sizes=None, *, topology=None,
       attached to this VM, else the resolver's job (`"worker"`).
 
   Returns:
-    A `Mesh` whose devices are the assignment's TPU cores in mesh order and
-    whose `device_assignment` is the `DeviceAssignment`.
+    The mesh's `{axis: size}`, its devices (the assignment's TPU cores in
+    mesh order) and its `TPULayout` (which holds the `DeviceAssignment`).
 
   Raises:
     ValueError: as `device_assignment`.
@@ -107,10 +105,10 @@ def mesh_from_resolver(resolver=None, axis_sizes=None, *, topology=None,
   >>> topology = tf.tpu.experimental.Topology(
   ...     mesh_shape=[1, 1, 1, 2], device_coordinates=[[[0, 0, 0, 0],
   ...                                                   [0, 0, 0, 1]]])
-  >>> mesh = mesh_from_resolver(None, {"tensor": 2}, topology=topology)
-  >>> mesh.replica_devices(0)
-  ('/job:localhost/replica:0/task:0/device:TPU:0',
-   '/job:localhost/replica:0/task:0/device:TPU:1')
+  >>> shape, devices, layout = slice_parts(None, {"tensor": 2},
+  ...                                      topology=topology)
+  >>> devices
+  ['/job:localhost/replica:0/task:0/device:TPU:0', '/job:localhost/replica:0/task:0/device:TPU:1']
   """
   if topology is None:
     topology = initialize_topology(resolver)
@@ -123,8 +121,7 @@ def mesh_from_resolver(resolver=None, axis_sizes=None, *, topology=None,
   devices = [_canonical(assignment.tpu_device(r, k, job))
              for r in range(assignment.num_replicas)
              for k in range(assignment.num_cores_per_replica)]
-  layout = TPULayout(resolver, topology, assignment, job)
-  return mesh_lib.Mesh(shape, devices, _tpu=layout)
+  return shape, devices, TPULayout(resolver, topology, assignment, job)
 
 
 def tpu_strategy(mesh, resolver=None):
