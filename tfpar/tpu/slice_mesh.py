@@ -79,9 +79,8 @@ def initialize_topology(resolver=None):
 
 def slice_parts(resolver=None, axis_sizes=None, *, topology=None, job=None):
   """What a `tfpar.Mesh` over the TPU cores of a slice is made of:
-  `(shape, devices, TPULayout)`. `tfpar.Mesh.from_cluster_resolver` (and
-  `mesh_from_resolver`) build the mesh from them for a `TPUClusterResolver`
-  or a `topology`.
+  `(shape, devices, TPULayout)`. `tfpar.Mesh.from_cluster_resolver` builds
+  the mesh from them for a `TPUClusterResolver` or a `topology`.
 
   Args:
     resolver: a `TPUClusterResolver`, or None for the local TPU.
@@ -180,8 +179,9 @@ def describe(mesh):
   >>> topology = tf.tpu.experimental.Topology(
   ...     mesh_shape=[1, 1, 1, 2], device_coordinates=[[[0, 0, 0, 0],
   ...                                                   [0, 0, 0, 1]]])
-  >>> print(describe(mesh_from_resolver(None, {"tensor": 2},
-  ...                                   topology=topology)))
+  >>> import tfpar
+  >>> print(describe(tfpar.Mesh.from_cluster_resolver(topology=topology,
+  ...                                                 tensor=2)))
   Mesh(data=1, pipeline=1, tensor=2, devices=2, workers=1)
   TPU mesh_shape=[1, 1, 1, 2]: 1 host(s) x 2 core(s), job 'localhost'
     replica 0 core 0 (pipeline 0 tensor 0)  task 0 TPU:0  chip (0, 0, 0) core 0
