@@ -16,6 +16,7 @@ Modules:
   runtime: TensorFlow's eager context, datasets, ops and TPU resolvers.
   checkpointing: per-object overrides of TensorFlow's checkpoint hooks.
   keras_layers: Keras layers', models' and variables' private state.
+  keras_graph: a Functional graph with its nested models inlined.
   keras_weights_view: a layer's `weights` listing whole weights (class swap).
   keras_attention: the private parts of keras.layers.MultiHeadAttention.
   keras_optimizers: Keras optimizers' private state and update hooks.

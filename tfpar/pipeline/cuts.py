@@ -15,6 +15,7 @@ its skip connection and its branch would both cross.
 """
 
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -23,6 +24,10 @@ from tfpar._compat import keras_layers
 
 
 ordered_nodes = keras_layers.ordered_nodes
+
+# A plan whose most expensive stage costs more than this many times the
+# mean stage warns: the other devices idle most of each step.
+IMBALANCE_WARNING = 1.5
 
 
 def _input_derived(graph, nodes):
@@ -147,3 +152,78 @@ def balanced_cuts(costs, candidates, num_stages, transfer=None):
     j = choice[k][j]
     cuts.append(points[j])
   return sorted(cuts)[1:]
+
+
+def named_cuts(model, layers, cuts, names, num_stages):
+  """The start indices of the stages `names` (layer names) start.
+
+  Args:
+    model: the model cut (for messages).
+    layers: the layer of every node (`ordered_nodes`).
+    cuts: `crossings(graph, nodes)`.
+    names: the layers starting stages 1 .. num_stages - 1.
+    num_stages: the pipeline size.
+
+  Raises:
+    ValueError: a wrong count of names, a name that is not a layer of the
+      (inlined) graph or not a cut point, names out of order.
+  """
+  names = list(names) if not isinstance(names, str) else [names]
+  if len(names) != num_stages - 1:
+    raise ValueError(
+        f"stages must name the first layer of each stage after the first: "
+        f"{num_stages - 1} names for {num_stages} stages. Received: "
+        f"stages={names!r}")
+  index = {}
+  for i, layer in enumerate(layers):
+    index.setdefault(layer.name, i)  # A shared layer: its first call.
+  starts = []
+  for name in names:
+    if name not in index:
+      raise ValueError(
+          f"stages names layer {name!r}, which model {model.name!r} does "
+          f"not have. Its layers: {', '.join(index)}.")
+    if index[name] not in cuts:
+      valid = ", ".join(layers[i].name for i in sorted(cuts)) or "none"
+      raise ValueError(
+          f"Model {model.name!r} cannot be cut before layer {name!r}: more "
+          f"than one tensor of activations crosses there (a skip connection "
+          f"or a branch). Layers a stage can start at: {valid}.")
+    starts.append(index[name])
+  if starts != sorted(set(starts)):
+    raise ValueError(f"stages must name distinct layers in model order. "
+                     f"Received: stages={names!r}")
+  return starts
+
+
+def warn_imbalance(plan, stage_nodes, cost_of):
+  """Warns when the most expensive stage costs more than
+  `IMBALANCE_WARNING` times the mean, naming it and its costliest layer.
+
+  Args:
+    plan: the `StagePlan`.
+    stage_nodes: the graph nodes of every stage.
+    cost_of: `cost_of(layer, node)`, the cost of one node.
+  """
+  if len(plan) < 2 or plan.imbalance <= IMBALANCE_WARNING:
+    return
+  total = sum(s.cost for s in plan.stages)
+  stage = max(plan.stages, key=lambda s: s.cost)
+  costs = {}
+  for node in stage_nodes[stage.index]:
+    key = id(node.operation)
+    cost = costs.get(key, (node.operation, 0.0))[1]
+    costs[key] = (node.operation, cost + cost_of(node.operation, node))
+  layer, cost = max(costs.values(), key=lambda pair: pair[1])
+  warnings.warn(
+      f"Pipeline stages of model {plan.model.name!r} are unbalanced: stage "
+      f"{stage.index} of {len(plan)} holds {stage.cost / total:.0%} of the "
+      f"estimated cost, where an even split gives {1 / len(plan):.0%} "
+      f"(max / mean cost {plan.imbalance:.2f}, more than "
+      f"{IMBALANCE_WARNING}). Its layer {layer.name!r} "
+      f"({type(layer).__name__}) alone holds {cost / total:.0%}, and a "
+      f"stage starts only between layers (never inside a residual block), "
+      f"so the other stages' devices wait for this one most of each step. "
+      f"Split that layer into smaller ones, use a smaller 'pipeline' axis, "
+      f"or check the cut with strategy.describe_stages(model).",
+      stacklevel=3)

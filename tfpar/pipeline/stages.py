@@ -10,6 +10,13 @@ takes the crossing set of its start cut and returns the crossing set of
 its end cut. Its layers, their variables and optimizer slots go on the
 stage's device.
 
+A nested Functional model called as one layer (a keras-hub task calling
+its backbone) is inlined first (`tfpar._compat.keras_graph`): its own
+layers' calls join the outer graph, so stages start and end inside it and
+`stages=[...]` names its layers. A plan whose most expensive stage costs
+over `cuts.IMBALANCE_WARNING` times the mean warns, naming the stage, its
+share and its costliest layer.
+
 A layer called by several stages (a tied embedding: keras-hub's
 `ReversibleEmbedding` embeds the tokens in the first stage and computes
 the logits in the last) belongs to the first stage that calls it: its
@@ -28,6 +35,7 @@ import dataclasses
 import keras
 import numpy as np
 
+from tfpar._compat import keras_graph
 from tfpar._compat import keras_layers
 from tfpar.common import whole_weights
 from tfpar.pipeline import cuts as cuts_lib
@@ -193,7 +201,10 @@ def plan_stages(model, num_stages, stages="auto"):
   >>> [s.layers[0].name for s in plan_stages(model, 2).stages]
   ['d0', 'd2']
   """
-  graph = functional_graph(model)
+  # Nested Functional models (a keras-hub task's backbone) are inlined:
+  # stages may start and end inside them.
+  graph, _ = keras_graph.inlined(functional_graph(model),
+                                 f"{model.name}_inlined")
   nodes = cuts_lib.ordered_nodes(graph)
   if len(nodes) < num_stages:
     raise ValueError(
@@ -214,37 +225,8 @@ def plan_stages(model, num_stages, stages="auto"):
     transfer = {i: cuts_lib.crossing_bytes(c) / 4 for i, c in cuts.items()}
     starts = cuts_lib.balanced_cuts(costs, cuts, num_stages, transfer)
   else:
-    starts = _named_cuts(model, layers, cuts, stages, num_stages)
+    starts = cuts_lib.named_cuts(model, layers, cuts, stages, num_stages)
   return _build_plan(model, graph, nodes, layers, cuts, starts)
-
-
-def _named_cuts(model, layers, cuts, names, num_stages):
-  names = list(names) if not isinstance(names, str) else [names]
-  if len(names) != num_stages - 1:
-    raise ValueError(
-        f"stages must name the first layer of each stage after the first: "
-        f"{num_stages - 1} names for {num_stages} stages. Received: "
-        f"stages={names!r}")
-  index = {}
-  for i, layer in enumerate(layers):
-    index.setdefault(layer.name, i)  # A shared layer: its first call.
-  starts = []
-  for name in names:
-    if name not in index:
-      raise ValueError(
-          f"stages names layer {name!r}, which model {model.name!r} does "
-          f"not have. Its layers: {', '.join(index)}.")
-    if index[name] not in cuts:
-      valid = ", ".join(layers[i].name for i in sorted(cuts)) or "none"
-      raise ValueError(
-          f"Model {model.name!r} cannot be cut before layer {name!r}: more "
-          f"than one tensor of activations crosses there (a skip connection "
-          f"or a branch). Layers a stage can start at: {valid}.")
-    starts.append(index[name])
-  if starts != sorted(set(starts)):
-    raise ValueError(f"stages must name distinct layers in model order. "
-                     f"Received: stages={names!r}")
-  return starts
 
 
 def _unique(items):
@@ -287,4 +269,7 @@ def _build_plan(model, graph, nodes, layers, cuts, starts):
                             name=f"{model.name}_stage{s}")
     stages.append(Stage(s, stage_layers, float(cost), params, sub_model,
                         shared))
-  return StagePlan(model, stages)
+  plan = StagePlan(model, stages)
+  cuts_lib.warn_imbalance(plan, [nodes[bounds[s]:bounds[s + 1]]
+                                 for s in range(len(stages))], layer_cost)
+  return plan
