@@ -6,6 +6,13 @@
   the strategy, and a tensor-parallel strategy cannot otherwise find the
   models it must shard. Models created in scope call
   `strategy.extended.register_model(model)` when it exists.
+* Symbolic build: before `fit`, `evaluate` or `predict` builds a model,
+  Keras reduces one distributed batch across replicas ("MEAN") only to
+  read its shapes and dtypes, which fails on the boolean parts of a
+  preprocessor's batch (keras-hub's `padding_mask`) under every
+  `tf.distribute` strategy. A model whose strategy's `extended` has
+  `symbolic_build_batch` builds from the batch it returns instead
+  (`tfpar._compat.keras_trainer.install_symbolic_build_batch`).
 * `fit` preparation: `fit` builds the optimizer before any callback runs,
   so a callback that must change the optimizer before it is built
   (`tfpar.ZeRO`) cannot do it from the callback API. `fit` calls
@@ -66,6 +73,17 @@ def install_model_registration():
 
   tf_trainer.TensorFlowTrainer.__init__ = __init__
   _installed.add("registration")
+
+
+def install_symbolic_build_batch():
+  """Patches Keras's symbolic build to ask the model's strategy for the
+  batch it builds from (`extended.symbolic_build_batch`), when it has one."""
+  if "symbolic_build" in _installed:
+    return
+  keras_trainer.install_symbolic_build_batch(
+      lambda strategy: getattr(getattr(strategy, "extended", None),
+                               "symbolic_build_batch", None))
+  _installed.add("symbolic_build")
 
 
 def install_fit_preparation():

@@ -70,3 +70,56 @@ def in_shape_inference():
   _check_shape_inference_graph()
   name = getattr(tf.compat.v1.get_default_graph(), "name", "")  # FuncGraph.
   return name.startswith(_SHAPE_INFERENCE_GRAPH)
+
+
+# The value Keras reduces in `_maybe_symbolic_build` before it builds the
+# model (checked in its source when the hook is installed).
+_SYMBOLIC_BUILD_REDUCE = "distribute_strategy.reduce("
+
+
+def install_symbolic_build_batch(batch_for):
+  """Makes Keras's symbolic build take its batch from the strategy.
+
+  Before `fit`, `evaluate` or `predict` builds a model, Keras's TensorFlow
+  trainer (`_maybe_symbolic_build`) draws one distributed batch and calls
+  `strategy.reduce("MEAN", batch, axis=None)` on the whole nested batch,
+  only to read its shapes and dtypes. A preprocessor's batch has boolean
+  parts (keras-hub's `padding_mask`), which no all-reduce takes: every
+  `tf.distribute` strategy fails there (`Value for attr 'T' of bool`).
+  With this hook, a strategy whose `extended` has
+  `symbolic_build_batch(batch)` gives the batch Keras builds from; other
+  strategies keep Keras's reduce.
+
+  Args:
+    batch_for: `batch_for(strategy)` returns the strategy's
+      `symbolic_build_batch` function, or None for Keras's own behaviour.
+
+  Raises:
+    Incompatible: this Keras no longer has the method, its `data_batch`
+      argument, or no longer reduces the batch there.
+  """
+  if getattr(TensorFlowTrainer, "_tfpar_symbolic_build_batch", False):
+    return
+  original = require(TensorFlowTrainer, "_maybe_symbolic_build",
+                     "the batch Keras builds a model from")
+  if ("data_batch" not in inspect.signature(original).parameters or
+      _SYMBOLIC_BUILD_REDUCE not in inspect.getsource(original)):
+    raise Incompatible(
+        f"tfpar replaces the batch Keras's "
+        f"TensorFlowTrainer._maybe_symbolic_build reduces across replicas "
+        f"(its `data_batch` argument, `{_SYMBOLIC_BUILD_REDUCE}...`), which "
+        f"this Keras changed; update tfpar/_compat/keras_trainer.py.")
+
+  @functools.wraps(original)
+  def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    strategy = require(self, "_distribute_strategy",
+                       "the strategy a model was created under")
+    convert = batch_for(strategy) if strategy is not None else None
+    if convert is None or iterator is None:
+      return original(self, iterator=iterator, data_batch=data_batch)
+    for _, _, batches in iterator:  # As Keras does: the first batch.
+      return original(self, iterator=None, data_batch=convert(next(batches)))
+    return original(self, iterator=iterator, data_batch=data_batch)
+
+  TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build  # pylint: disable=protected-access
+  TensorFlowTrainer._tfpar_symbolic_build_batch = True  # pylint: disable=protected-access

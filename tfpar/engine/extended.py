@@ -87,6 +87,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     self._column = threading.local()
     keras_hooks.install_model_registration()
     keras_hooks.install_run_hooks()
+    keras_hooks.install_symbolic_build_batch()
     keras_optimizer_hooks.install_accumulation_without_merge_call()
     keras_optimizer_hooks.install_global_overflow_check()
     self._init_merge_free()
@@ -257,6 +258,19 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
            for c in components):
       return None
     return axis
+
+  def symbolic_build_batch(self, batch):
+    """The batch Keras builds a model from before `fit`, `evaluate` or
+    `predict` (`keras_hooks.install_symbolic_build_batch`): the first
+    local replica's part of each distributed value of `batch`.
+
+    Keras reads only shapes and dtypes from it; its own
+    `reduce("MEAN", batch)` fails on boolean masks, averages token ids and
+    runs a collective across workers for nothing.
+    """
+    return nest.map_structure(
+        lambda value: (self._local_results(value)[0] if isinstance(
+            value, values_lib.DistributedValues) else value), batch)
 
   def _reduce_to(self, reduce_op, value, destinations, options):
     # Keras's symbolic build reduces a whole (x, y, sample_weight) batch at
