@@ -3,7 +3,6 @@ backbone (a Functional model) as one layer: the backbone is inlined, so
 stages start and end between its blocks, and a plan no cut can balance
 warns."""
 
-import collections
 import warnings
 
 import keras
