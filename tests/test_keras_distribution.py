@@ -1,14 +1,24 @@
-"""keras.distribution layouts on TensorFlow through
-`tfpar.from_keras_distribution`: keras-hub's own `get_layout_map()` for
-Llama, Gemma and Qwen2 trains like one device."""
+"""keras.distribution on TensorFlow: `tfpar.from_keras_distribution`
+(keras-hub's own `get_layout_map()` for Llama, Gemma and Qwen2 trains like
+one device) and `keras.distribution.set_distribution` once tfpar is
+imported (Keras's guide flow with no scope and no callbacks, laid out as
+the map says, and undone by `set_distribution(None)`)."""
+
+import collections
+import functools
+import os
+import subprocess
+import sys
 
 import keras
 import keras_hub
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import hub_common
 import tfpar
+from tfpar.common import whole_weights
 
 BACKBONES = {"llama": keras_hub.models.LlamaBackbone,
              "gemma": keras_hub.models.GemmaBackbone,
@@ -63,14 +73,198 @@ def test_data_parallel_becomes_data_parallel_strategy():
   assert strategy.num_replicas_in_sync == len(devices) and callbacks == []
 
 
-def test_set_distribution_on_tensorflow_points_to_tfpar():
-  distribution = _model_parallel()
-  with pytest.raises(ValueError, match="from_keras_distribution"):
-    keras.distribution.set_distribution(distribution)
-  with pytest.raises(ValueError, match="does nothing on the TensorFlow"):
-    with distribution.scope():
-      pass
+def _mlp():
+  """A small functional model: "up" and "down" as a Megatron MLP, "out"
+  left to Keras's rule (unmapped: replicated)."""
+  inputs = keras.Input((8,))
+  hidden = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+  hidden = keras.layers.Dense(8, name="down")(hidden)
+  return keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden))
+
+
+def _mlp_data():
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(24, 8)).astype("float32"),
+          rng.normal(size=(24, 1)).astype("float32"))
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_initial_weights():
+  keras.utils.set_random_seed(3)
+  return tuple(_mlp().get_weights())
+
+
+def _guide_flow():
+  """What Keras's distribution guide does once a distribution is set:
+  build, compile, fit, predict, with no scope and no callbacks.
+  Returns (model, predictions)."""
+  model = _mlp()
+  model.set_weights(list(_mlp_initial_weights()))
+  model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                loss="mse")
+  x, y = _mlp_data()
+  model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+  return model, model.predict(x, batch_size=8, verbose=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device():
+  assert not tf.distribute.has_strategy()
+  model, predictions = _guide_flow()
+  return tfpar.logical_weights(model), predictions
+
+
+def _differences(model, predictions):
+  expected, expected_predictions = _one_device()
+  got = tfpar.logical_weights(model)
+  assert sorted(got) == sorted(expected)
+  return (max(float(np.abs(got[p] - expected[p]).max()) for p in expected),
+          float(np.abs(predictions - expected_predictions).max()))
+
+
+def _bytes_by_device(model):
+  """{variable path: {device: bytes}}, counted from every component of
+  every variable the model holds (tensor shards, not whole weights)."""
+  held = {}
+  for variable in whole_weights.held(model):
+    value = variable.value
+    counts = collections.Counter()
+    for component in getattr(value, "values", (value,)):
+      counts[tf.DeviceSpec.from_string(component.device).to_string()] += (
+          int(np.prod(component.shape)) * component.dtype.size)
+    held[variable.path] = counts
+  return held
+
+
+@pytest.fixture
+def no_distribution():
+  """Leaves no distribution set, whatever the test does."""
+  yield
+  keras.distribution.set_distribution(None)
+  assert not tf.distribute.has_strategy()
+
+
+def test_set_distribution_model_parallel_trains_as_the_map_says(
+    no_distribution):
+  _one_device()  # First, with no distribution set.
+  mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map["up/kernel"] = (None, "model")
+  layout_map["up/bias"] = ("model",)
+  layout_map["down/kernel"] = ("model", None)
+  distribution = keras.distribution.ModelParallel(
+      layout_map=layout_map, batch_dim_name="batch")
+  keras.distribution.set_distribution(distribution)
+  assert keras.distribution.distribution() is distribution
+  strategy = tf.distribute.get_strategy()
+  assert isinstance(strategy, tfpar.TensorParallelStrategy)
+  assert strategy.mesh.shape == {"data": 2, "pipeline": 1, "tensor": 2}
+
+  model, predictions = _guide_flow()
+  assert model.distribute_strategy is strategy
+  weights, outputs = _differences(model, predictions)
+  assert weights < 1e-5 and outputs < 1e-5, (weights, outputs)
+
+  # Split weights: half of each on every device; the rest whole on every
+  # device. Counted from the variables' components, not from the plan.
+  devices = {tf.DeviceSpec.from_string(d).to_string()
+             for d in strategy.mesh.devices}
+  whole = {path: value.nbytes for path, value in _one_device()[0].items()}
+  held = _bytes_by_device(model)
+  assert sorted(held) == sorted(whole)
+  for path, counts in held.items():
+    share = 2 if path in ("up/kernel", "up/bias", "down/kernel") else 1
+    assert counts == {d: whole[path] // share for d in devices}, (
+        path, counts)
+
+  keras.distribution.set_distribution(None)
   assert keras.distribution.distribution() is None
+  assert not tf.distribute.has_strategy()
+  assert _mlp().distribute_strategy is tf.distribute.get_strategy()
+
+
+def test_set_distribution_data_parallel_trains_like_one_device(
+    no_distribution):
+  _one_device()
+  distribution = keras.distribution.DataParallel()
+  keras.distribution.set_distribution(distribution)
+  assert keras.distribution.distribution() is distribution
+  model, predictions = _guide_flow()
+  assert isinstance(model.distribute_strategy, tfpar.DataParallelStrategy)
+  assert model.distribute_strategy.num_replicas_in_sync == 4
+  weights, outputs = _differences(model, predictions)
+  assert weights < 1e-5 and outputs < 1e-5, (weights, outputs)
+  whole = {path: value.nbytes for path, value in _one_device()[0].items()}
+  for path, counts in _bytes_by_device(model).items():
+    assert len(counts) == 4 and set(counts.values()) == {whole[path]}
+  keras.distribution.set_distribution(None)
+  assert keras.distribution.distribution() is None
+  assert not tf.distribute.has_strategy()
+
+
+def test_distribution_scope_sets_and_restores(no_distribution):
+  outer = keras.distribution.DataParallel()
+  mesh = keras.distribution.DeviceMesh((4, 1), ["batch", "model"])
+  inner = keras.distribution.ModelParallel(
+      layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch")
+  with outer.scope():
+    outer_strategy = tf.distribute.get_strategy()
+    with inner.scope():
+      assert keras.distribution.distribution() is inner
+      inner_strategy = tf.distribute.get_strategy()
+      assert inner_strategy.mesh.shape["data"] == 4
+      assert inner_strategy is not outer_strategy
+    # The same strategy as before the inner scope: models made then keep it.
+    assert keras.distribution.distribution() is outer
+    assert tf.distribute.get_strategy() is outer_strategy
+  assert keras.distribution.distribution() is None
+  assert not tf.distribute.has_strategy()
+
+
+def test_batch_axis_entries_fold_into_the_strategy(no_distribution):
+  """FSDP-style entries on a mesh whose model axis has one device: a
+  DataParallelStrategy that applies ZeRO-3 itself, no callback."""
+  mesh = keras.distribution.DeviceMesh((4, 1), ["batch", "model"])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map["up/kernel"] = ("batch", "model")
+  distribution = keras.distribution.ModelParallel(
+      layout_map=layout_map, batch_dim_name="batch")
+  strategy, callbacks = tfpar.from_keras_distribution(distribution)
+  assert callbacks == []
+  assert isinstance(strategy, tfpar.DataParallelStrategy)
+  assert strategy.extended.zero.stage == 3
+
+
+def test_keras_hub_map_under_set_distribution_warns_what_it_keeps_whole(
+    no_distribution):
+  """keras-hub's maps also spread weights over the batch axis; with a model
+  axis too that takes tfpar.ZeRO as a callback, which set_distribution
+  cannot pass: it says so."""
+  distribution = _model_parallel(keras_hub.models.LlamaBackbone.get_layout_map)
+  with pytest.warns(UserWarning, match="kept whole over the batch axis"):
+    keras.distribution.set_distribution(distribution)
+  assert isinstance(tf.distribute.get_strategy(),
+                    tfpar.TensorParallelStrategy)
+
+
+def test_set_distribution_inside_a_strategy_scope_is_refused(
+    no_distribution):
+  strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}))
+  with strategy.scope():
+    with pytest.raises(ValueError, match="outside any strategy scope"):
+      keras.distribution.set_distribution(keras.distribution.DataParallel())
+  assert keras.distribution.distribution() is None
+
+
+def test_set_distribution_is_tfpars_whatever_was_imported_first():
+  """`import tfpar` before TensorFlow and Keras (TensorFlow looks Keras up
+  without importing it) still hooks Keras as it is imported."""
+  script = ("import tfpar, tensorflow, keras\n"
+            "from tfpar import keras_distribution\n"
+            "assert (keras.distribution.set_distribution is\n"
+            "        keras_distribution.set_distribution)\n")
+  subprocess.run([sys.executable, "-c", script], check=True,
+                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
 
 
 def test_layout_tfpar_cannot_carry_out_names_the_variable():

@@ -76,10 +76,42 @@ def __dir__():
 
 
 # tfpar.ZeRO must shard an optimizer before `fit` builds it, so `fit` must be
-# hooked before user code looks it up (and keras.distribution, a no-op on
-# TensorFlow, made to say so).
-# Without importing Keras here (the
-# `tfpar` command starts without TensorFlow): hook now if Keras is loaded,
-# else when a tfpar strategy or `tfpar.ZeRO` is first used.
+# hooked before user code looks it up, and `keras.distribution.set_distribution`
+# (a no-op on TensorFlow) made to set tfpar's strategy. Without importing
+# Keras here (the `tfpar` command starts without TensorFlow): hook now if
+# Keras is loaded, else as soon as it is imported.
+
+
+class _HookKerasOnImport:
+  """A `sys.meta_path` finder that installs tfpar's Keras hooks right after
+  `keras` is imported, then leaves `sys.meta_path`. (TensorFlow looks
+  `keras` up without importing it: every spec found gets the hook.)"""
+
+  def find_spec(self, name, path=None, target=None):
+    if name != "keras":
+      return None
+    for finder in sys.meta_path:
+      find = getattr(finder, "find_spec", None)
+      spec = (None if finder is self or find is None
+              else find(name, path, target))
+      if spec is not None:
+        break
+    loader = getattr(spec, "loader", None)
+    execute = getattr(loader, "exec_module", None)
+    if execute is None or isinstance(loader, type):  # A shared loader.
+      return spec
+
+    def exec_module(module):
+      execute(module)
+      if self in sys.meta_path:
+        sys.meta_path.remove(self)
+      importlib.import_module("tfpar.keras_hooks").install_fit_preparation()
+
+    loader.exec_module = exec_module
+    return spec
+
+
 if "keras" in sys.modules:
   importlib.import_module("tfpar.keras_hooks").install_fit_preparation()
+elif not any(isinstance(f, _HookKerasOnImport) for f in sys.meta_path):
+  sys.meta_path.insert(0, _HookKerasOnImport())

@@ -1,29 +1,41 @@
-"""`keras.distribution` layouts on the TensorFlow backend.
+"""`keras.distribution` on the TensorFlow backend.
 
 Keras 3's distribution API (`DeviceMesh`, `LayoutMap`, `DataParallel`,
 `ModelParallel`) only acts on the JAX and PyTorch backends; on TensorFlow
 Keras records the distribution and leaves every weight on one device.
-`from_keras_distribution` turns such a distribution into tfpar's strategy:
+Once tfpar is imported, `keras.distribution.set_distribution(d)` (and
+`with d.scope():`) makes tfpar's strategy for `d` TensorFlow's default
+strategy (`tf.distribute.experimental_set_strategy`), so ordinary Keras
+code that follows, with no tfpar scope and no callbacks, trains laid out
+as `d` says; `set_distribution(None)` sets no strategy again.
+`from_keras_distribution` gives the same strategy for use in its own
+scope:
 
-- the mesh axis `ModelParallel` splits the batch on (`batch_dim_name`)
-  becomes tfpar's `data` axis, its other axis tfpar's `tensor` axis;
+- `DataParallel` becomes `tfpar.DataParallelStrategy` over its devices;
+- for `ModelParallel`, the mesh axis it splits the batch on
+  (`batch_dim_name`) becomes tfpar's `data` axis, its other axis tfpar's
+  `tensor` axis (`tfpar.TensorParallelStrategy`);
 - a `LayoutMap` entry that splits a weight over the model axis makes tfpar
   split that weight over `tensor`, along the dimension its Megatron-style
   plan computes with (attention by heads, MLPs column- then row-parallel,
   embeddings by vocabulary); a weight the entry does not split over the
   model axis, or that no entry matches, stays whole (Keras's rule);
-- an entry that also names the batch axis (keras-hub's layout maps shard
+- an entry that names the batch axis (keras-hub's layout maps shard
   weights over both, as FSDP does) means "spread this weight over the data
-  replicas too": tfpar does that with ZeRO stage 3, returned as a callback.
-
-Importing tfpar also makes `keras.distribution.set_distribution(...)` (and
-`with distribution.scope():`) on the TensorFlow backend raise a ValueError
-pointing here, instead of silently training on one device.
+  replicas too": tfpar does that with ZeRO stage 3. With a model axis of
+  size 1 that is `DataParallelStrategy(zero=tfpar.ZeRO(stage=3))`, one
+  strategy. `TensorParallelStrategy` has no `zero=` option: with both axes
+  larger than 1, `from_keras_distribution` returns `tfpar.ZeRO(stage=3)`
+  as a callback for `fit`, and `set_distribution`, which cannot pass
+  callbacks, warns that it keeps those weights whole over the batch axis.
 """
 
 import collections
+import warnings
+import weakref
 
 import keras
+import tensorflow as tf
 
 from tfpar._compat import keras_distribution_parts
 from tfpar._compat.keras_modules import distribution_lib
@@ -33,7 +45,7 @@ KerasDistributionSetup = collections.namedtuple(
 
 
 def from_keras_distribution(distribution):
-  """The tfpar strategy (and callbacks) that carry out a Keras distribution.
+  """The tfpar strategy that carries out a Keras distribution.
 
   Args:
     distribution: a `keras.distribution.DataParallel` or
@@ -42,15 +54,20 @@ def from_keras_distribution(distribution):
 
   Returns:
     A `KerasDistributionSetup`: `strategy, callbacks = ...`. Create and
-    compile the model in `strategy.scope()` and pass `callbacks` to `fit`
-    (`[tfpar.ZeRO(stage=3)]` when the layout map also spreads weights over
-    the batch axis, else empty).
+    compile the model in `strategy.scope()` (or call
+    `keras.distribution.set_distribution(distribution)` instead, which
+    makes this strategy the default) and pass `callbacks` to `fit`. They
+    are empty except when a `ModelParallel` whose batch and model axes
+    both have more than one device spreads weights over the batch axis:
+    `[tfpar.ZeRO(stage=3)]` then, as `TensorParallelStrategy` has no
+    `zero=` option. With a model axis of size 1 the strategy is a
+    `DataParallelStrategy` that applies ZeRO-3 itself.
 
   Raises:
     ValueError: another kind of distribution, a mesh with more than two
-      axes, or a mesh that does not fit this host's devices. A layout tfpar
-      cannot carry out is a ValueError naming the variable when the model is
-      built.
+      axes, or a mesh whose devices are not this host's. A layout tfpar
+      cannot carry out is a ValueError naming the variable when the model
+      is built.
 
   Example:
 
@@ -63,20 +80,20 @@ def from_keras_distribution(distribution):
   >>> strategy, callbacks = tfpar.from_keras_distribution(
   ...     keras.distribution.ModelParallel(layout_map=layout_map,
   ...                                      batch_dim_name="batch"))
-  >>> print(strategy.mesh.shape)
-  {'data': 2, 'pipeline': 1, 'tensor': 2}
+  >>> print(strategy.mesh.shape, callbacks)
+  {'data': 2, 'pipeline': 1, 'tensor': 2} []
   """
-  # Imported here: tfpar's Keras hooks import this module for
-  # `install_refusal`, and the strategies import those hooks.
+  # Imported here: tfpar's Keras hooks import this module, and the
+  # strategies import those hooks.
   from tfpar import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from tfpar.data_parallel import strategy as data_strategy  # pylint: disable=g-import-not-at-top
   from tfpar.tensor_parallel import layout_map as layout_map_lib  # pylint: disable=g-import-not-at-top
   from tfpar.tensor_parallel import strategy as tensor_strategy  # pylint: disable=g-import-not-at-top
   from tfpar.zero import callback as zero_callback  # pylint: disable=g-import-not-at-top
   if isinstance(distribution, distribution_lib.DataParallel):
-    size = distribution.device_mesh.shape[0]
-    return KerasDistributionSetup(
-        data_strategy.DataParallelStrategy(mesh_lib.Mesh({"data": size})), [])
+    devices = _tensorflow_devices(distribution.device_mesh.devices.ravel())
+    return KerasDistributionSetup(data_strategy.DataParallelStrategy(
+        mesh_lib.Mesh({"data": len(devices)}, devices)), [])
   if not isinstance(distribution, distribution_lib.ModelParallel):
     raise ValueError(
         f"from_keras_distribution takes keras.distribution.DataParallel or "
@@ -90,41 +107,136 @@ def from_keras_distribution(distribution):
         f"from_keras_distribution maps a DeviceMesh with the batch axis "
         f"{batch!r} and one model axis onto tfpar's data x tensor mesh. "
         f"Received: axis_names={names}, shape={device_mesh.shape}")
-  sizes = dict(zip(names, device_mesh.shape))
   model_axis = others[0]
+  sizes = dict(zip(names, device_mesh.shape))
+  data, tensor = sizes.get(batch, 1), sizes[model_axis]
+  # tfpar's meshes are data-major: put the batch axis first.
+  grid = device_mesh.devices
+  if names[0] != batch and len(names) == 2:
+    grid = grid.T
+  devices = _tensorflow_devices(grid.ravel())
   layout_map = keras_distribution_parts.layout_map(distribution)
-  strategy = tensor_strategy.TensorParallelStrategy(
-      mesh_lib.Mesh({"data": sizes.get(batch, 1),
-                     "tensor": sizes[model_axis]}),
-      plan=layout_map_lib.LayoutMapPlan(layout_map, model_axis))
-  spreads_over_batch = any(
+  spreads_over_batch = data > 1 and any(
       layout is not None and batch in tuple(layout.axes)
       for layout in layout_map.values())
-  callbacks = ([zero_callback.ZeRO(stage=3)]
-               if spreads_over_batch and sizes.get(batch, 1) > 1 else [])
+  if tensor == 1 and spreads_over_batch:
+    return KerasDistributionSetup(data_strategy.DataParallelStrategy(
+        mesh_lib.Mesh({"data": data}, devices),
+        zero=zero_callback.ZeRO(stage=3)), [])
+  strategy = tensor_strategy.TensorParallelStrategy(
+      mesh_lib.Mesh({"data": data, "tensor": tensor}, devices),
+      plan=layout_map_lib.LayoutMapPlan(layout_map, model_axis))
+  callbacks = [zero_callback.ZeRO(stage=3)] if spreads_over_batch else []
   return KerasDistributionSetup(strategy, callbacks)
 
 
-def _refuse_on_tensorflow(original):
-  def set_distribution(value):
-    if value is not None and keras.backend.backend() == "tensorflow":
+def _tensorflow_devices(names):
+  """This host's TensorFlow device names for Keras's ("cpu:0", "gpu:1")."""
+  from tfpar import local_devices  # pylint: disable=g-import-not-at-top
+  _, local = local_devices.local_accelerators()
+  by_kind = {}
+  for name in local:
+    spec = tf.DeviceSpec.from_string(name)
+    by_kind[(spec.device_type.upper(), spec.device_index)] = name
+  found = []
+  for name in names:
+    spec = tf.DeviceSpec.from_string(str(name))
+    device = by_kind.get(((spec.device_type or "").upper(),
+                          spec.device_index))
+    if device is None:
       raise ValueError(
-          f"keras.distribution.set_distribution({type(value).__name__}) "
-          f"does nothing on the TensorFlow backend: Keras would train on "
-          f"one device. Use strategy, callbacks = "
-          f"tfpar.from_keras_distribution(distribution), create the model "
-          f"in strategy.scope() and pass the callbacks to fit.")
+          f"The keras.distribution DeviceMesh names device {str(name)!r}, "
+          f"which is not one of this host's devices {list(local)}. "
+          f"Received: devices={[str(n) for n in names]}")
+    found.append(device)
+  return tuple(found)
+
+
+# The strategy made for each distribution set (the same one each time it
+# is set again, as `Distribution.scope()` does when it exits a nested one)
+# and the strategy tfpar made TensorFlow's default, if any.
+_strategies = weakref.WeakKeyDictionary()
+_default = [None]
+
+
+def set_distribution(value):
+  """`keras.distribution.set_distribution` once tfpar is imported.
+
+  On the TensorFlow backend, sets `value`'s tfpar strategy (see
+  `from_keras_distribution`) as TensorFlow's default strategy, so that
+  models created afterwards are laid out and trained as `value` says with
+  no strategy scope; `None` sets no strategy again. Keras records `value`
+  as it always does: `keras.distribution.distribution()` returns it.
+  `with value.scope():` calls this on entry and exit.
+
+  Args:
+    value: a `keras.distribution.DataParallel` or `ModelParallel`, or
+      None.
+
+  Raises:
+    ValueError: a distribution `from_keras_distribution` does not take, or
+      a call inside a `tf.distribute` strategy's scope (the default
+      strategy cannot change there).
+
+  Example:
+
+  >>> import keras, numpy as np, tfpar
+  >>> devices = tfpar.configure_virtual_cpus(4)
+  >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
+  >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+  >>> model.compile(optimizer="sgd", loss="mse")
+  >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+  >>> model.distribute_strategy.num_replicas_in_sync
+  4
+  >>> keras.distribution.set_distribution(None)
+  >>> keras.distribution.distribution() is None
+  True
+  """
+  original = _keras_set_distribution[0]
+  if keras.backend.backend() != "tensorflow":
     return original(value)
-  set_distribution.__doc__ = original.__doc__
-  set_distribution.tfpar_refuses = True
-  return set_distribution
+  strategy = None
+  if value is not None:
+    strategy = _strategies.get(value)
+    if strategy is None:
+      strategy, callbacks = from_keras_distribution(value)
+      if callbacks:
+        _warn_callbacks_dropped(value, callbacks)
+      _strategies[value] = strategy
+  if tf.distribute.has_strategy() and (
+      tf.distribute.get_strategy() is not _default[0]):
+    raise ValueError(
+        f"keras.distribution.set_distribution({type(value).__name__}) "
+        f"makes its strategy TensorFlow's default, which cannot change "
+        f"inside the scope of strategy {tf.distribute.get_strategy()!r}. "
+        f"Call it outside any strategy scope.")
+  if strategy is not _default[0]:
+    tf.distribute.experimental_set_strategy(strategy)
+    _default[0] = strategy
+  return original(value)
 
 
-def install_refusal():
-  """Makes `keras.distribution.set_distribution` (and `Distribution.scope`)
-  raise on the TensorFlow backend instead of doing nothing."""
-  if getattr(distribution_lib.set_distribution, "tfpar_refuses", False):
+def _warn_callbacks_dropped(value, callbacks):
+  warnings.warn(
+      f"keras.distribution.set_distribution: the LayoutMap of {value!r} "
+      f"also spreads weights over the batch axis, which tfpar does with "
+      f"{', '.join(type(c).__name__ for c in callbacks)} callbacks "
+      f"(tfpar.TensorParallelStrategy has no zero= option); "
+      f"set_distribution cannot pass callbacks to fit, so those weights "
+      f"are split over the model axis only and kept whole over the batch "
+      f"axis. To spread them too, use strategy, callbacks = "
+      f"tfpar.from_keras_distribution(distribution) and pass the callbacks "
+      f"to fit.", stacklevel=3)
+
+
+_keras_set_distribution = [None]
+
+
+def install_set_distribution():
+  """Makes `keras.distribution.set_distribution` (and
+  `Distribution.scope()`) set tfpar's strategy on TensorFlow."""
+  current = keras_distribution_parts.set_distribution_function()
+  if current is set_distribution:
     return
-  refusing = _refuse_on_tensorflow(distribution_lib.set_distribution)
-  distribution_lib.set_distribution = refusing
-  keras.distribution.set_distribution = refusing
+  _keras_set_distribution[0] = current
+  keras_distribution_parts.replace_set_distribution(set_distribution)

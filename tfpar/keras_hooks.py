@@ -88,12 +88,13 @@ def install_symbolic_build_batch():
 
 def install_fit_preparation():
   """Patches `TensorFlowTrainer.fit` to call `prepare_fit` on callbacks
-  before it and `finish_fit` after it however it ends, and makes `keras.distribution.set_distribution` refuse to do nothing on
-  TensorFlow (`keras_distribution.install_refusal`)."""
+  before it and `finish_fit` after it however it ends, and makes
+  `keras.distribution.set_distribution` set tfpar's strategy on TensorFlow
+  (`keras_distribution.install_set_distribution`)."""
   if "fit" in _installed:
     return
   from tfpar import keras_distribution  # pylint: disable=g-import-not-at-top
-  keras_distribution.install_refusal()
+  keras_distribution.install_set_distribution()
   original = tf_trainer.TensorFlowTrainer.fit
 
   @functools.wraps(original)
