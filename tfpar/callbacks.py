@@ -25,7 +25,7 @@ from tfpar.zero import checkpoint as zero_checkpoint
 def is_chief(model):
   """Whether this process should write checkpoints for `model`."""
   strategy = model.distribute_strategy
-  return getattr(strategy.extended, "should_checkpoint", True)
+  return strategy.extended.should_checkpoint
 
 
 class ModelCheckpoint(keras_callbacks.ModelCheckpointBase):

@@ -30,6 +30,7 @@ from tfpar import peer_report
 from tfpar._compat import distribute
 from tfpar._compat import runtime
 from tfpar._compat.keras_modules import tf_trainer
+from tfpar.common import strategy_hooks
 
 _installed = []
 
@@ -117,9 +118,8 @@ def touch():
 
 
 def _layout_and_timeouts(strategy):
-  extended = getattr(strategy, "extended", None)
-  timeouts = getattr(extended, "timeouts", None)
-  mesh = getattr(extended, "mesh", None)
+  hooks = strategy_hooks.of(strategy)
+  timeouts, mesh = hooks.timeouts, hooks.mesh
   if timeouts is None or mesh is None or not mesh.is_multi_worker:
     return None, None
   return mesh.cluster, timeouts

@@ -28,6 +28,7 @@ from tfpar._compat import keras_optimizer_hooks
 from tfpar._compat.tf_modules import collective_all_reduce_strategy
 from tfpar._compat.tf_modules import nest
 from tfpar._compat.tf_modules import values_lib
+from tfpar.common import strategy_hooks
 from tfpar.engine import bfloat16_gather
 from tfpar.engine import column_reductions
 from tfpar.engine import merge_free
@@ -65,6 +66,7 @@ class DeviceSet:
 class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
                    prepared_models.PreparedModels,
                    column_reductions.ColumnReductions,
+                   strategy_hooks.StrategyHooks,
                    collective_all_reduce_strategy.CollectiveAllReduceExtended):
   """Strategy engine over a `tfpar.Mesh`: replicas are device groups.
 
@@ -226,6 +228,8 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
   @property
   def worker_devices_by_replica(self):
     return [list(group) for group in self._local_groups]
+
+  checks_batch_size = True
 
   def check_batch_size(self, batch_size, what="batch_size"):
     """Raises unless `batch_size` splits evenly over the data replicas

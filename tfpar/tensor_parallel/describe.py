@@ -1,5 +1,6 @@
 """The table `ShardingPlan.describe` prints."""
 
+from tfpar.common import strategy_hooks
 from tfpar.engine import training_summary
 from tfpar.tensor_parallel import coverage as coverage_lib
 from tfpar.tensor_parallel import styles
@@ -37,8 +38,7 @@ def describe(plan, model, strategy):
   tensor_size = mesh.shape["tensor"]
   # Weights another parallelism splits (experts under expert x tensor):
   # {path: (style, shard shape, devices)}.
-  elsewhere = getattr(strategy.extended, "describe_elsewhere",
-                      lambda model: {})(model)
+  elsewhere = strategy_hooks.of(strategy).describe_elsewhere(model)
   layer_layouts = getattr(model, "_tfpar_layouts", None)
   if layer_layouts is None:
     layer_layouts = plan.resolve(model, tensor_size, elsewhere)
@@ -94,9 +94,8 @@ def describe(plan, model, strategy):
 def _stage_of_layer(model, strategy):
   """{top-level layer name: its pipeline stage}; {} without a pipeline."""
   stage_plan = getattr(model, "_tfpar_stage_plan", None)
-  cut = getattr(strategy.extended, "stage_plan", None)
-  if stage_plan is None and cut is not None:
-    stage_plan = cut(model)
+  if stage_plan is None:
+    stage_plan = strategy_hooks.of(strategy).stage_plan(model)
   if stage_plan is None:
     return {}
   return {layer.name: stage.index for stage in stage_plan.stages

@@ -127,9 +127,6 @@ class ZeRO(keras.callbacks.Callback):
           "launched from eager replica functions one after another). "
           "Received: run_eagerly=True; compile with run_eagerly=False.")
     _check_float32_weights(model)
-    check = getattr(strategy.extended, "zero_check", None)
-    if check is not None:  # The strategy's own limits (SPMD's).
-      check(self.stage, self.offload)
     # A LossScaleOptimizer (mixed_float16) keeps its scale whole; the
     # optimizer it wraps is sharded.
     inner = getattr(optimizer, "inner_optimizer", optimizer)

@@ -11,6 +11,7 @@ import threading
 
 import tensorflow as tf
 
+from tfpar.common import strategy_hooks
 from tfpar.common.clipping import clip_by_norm_of
 from tfpar.zero import collectives
 
@@ -53,8 +54,10 @@ def clip(optimizer, state, entries, grad_slices):
     grad_slices: this replica's slices of their summed gradients.
   """
   phase = collectives.OPTIMIZER
-  over_shards = getattr(state.strategy.extended, "zero_sum_over_shards",
-                        None)
+  hooks = strategy_hooks.of(state.strategy)
+  # Only per-device (SPMD) strategies hold split weights.
+  over_shards = (hooks.zero_sum_over_shards
+                 if hooks.zero_traces_per_replica > 1 else None)
   weights = [e.weight for e in entries]
   if optimizer.clipnorm and optimizer.clipnorm > 0:
     squares = collectives.all_reduce_sum(_squares(entries, grad_slices),

@@ -36,6 +36,7 @@ from tfpar import engine
 from tfpar._compat import distribute
 from tfpar._compat.tf_modules import cross_device_utils
 from tfpar.common import instrument
+from tfpar.common import strategy_hooks
 
 OPTIMIZER = "optimizer"  # Phase of the collectives of the update step.
 # Bucket size of the update step's collectives (PyTorch DDP's is 25 MB).
@@ -70,8 +71,8 @@ def launcher(context, column=None):
   for `all_gather`)."""
   extended = context.strategy.extended
   index = distribute.local_replica_index(context)
-  trace = getattr(extended, "zero_trace", None)  # SPMD: one per device.
-  position = trace(column) if trace else None
+  # Per-device (SPMD) strategies: one trace per device.
+  position = strategy_hooks.of(context.strategy).zero_trace(column)
   if position is not None:  # The trace's column of the weight's devices.
     column, index = position
   column = column or None  # 0 and None: the replica heads.

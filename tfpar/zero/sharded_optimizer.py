@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import keras_optimizers
+from tfpar.common import strategy_hooks
 from tfpar.common.clipping import clips
 from tfpar.zero import clipping
 from tfpar.zero import collectives
@@ -180,9 +181,9 @@ def shard(optimizer, state):
 
 def _apply_sharded(optimizer, state, grads, variables):
   entries = [state.entries[id(v)] for v in variables]
-  partial = getattr(state.strategy.extended, "zero_partial_gradients", None)
-  if partial is not None:  # SPMD: partial ones summed over the group.
-    grads = partial(grads, variables)
+  # Per-device (SPMD) strategies: partial ones summed over the group.
+  grads = strategy_hooks.of(state.strategy).zero_partial_gradients(
+      grads, variables)
   if state.stage == 3:  # The tape's gradients are reduced slices.
     reduce = lambda gs: [tf.convert_to_tensor(g) if clips(optimizer) else g
                          for g in gs]

@@ -20,6 +20,7 @@ from tfpar._compat import keras_layers
 from tfpar._compat import keras_trainer
 from tfpar._compat.keras_modules import keras_variables
 from tfpar.common import instrument
+from tfpar.common import strategy_hooks
 from tfpar.engine import spread
 from tfpar.zero import buckets
 from tfpar.zero import collectives
@@ -259,7 +260,7 @@ def regather_in_backward(model, bucket_bytes, strategy):
     strategy: the strategy of `model` (its sites of fixed keys).
   """
   # A strategy may not recompute calls (SPMD sequence parallelism).
-  recomputes = getattr(strategy.extended, "zero_recomputes", True)
+  recomputes = strategy_hooks.of(strategy).zero_recomputes
   for layer in keras_layers.flatten_layers(model):  # Planned before.
     original = getattr(layer, "_tfpar_zero_call", None)
     if original is not None:

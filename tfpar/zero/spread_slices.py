@@ -20,6 +20,7 @@ import tensorflow as tf
 from tfpar import watchdog
 from tfpar._compat import keras_layers
 from tfpar._compat.tf_modules import values_lib
+from tfpar.common import strategy_hooks
 from tfpar.memory import components
 from tfpar.zero import collectives
 
@@ -36,7 +37,7 @@ def _distributed(slice_variable):
 def _columns(strategy):
   """Components of a variable per replica: under SPMD tensor parallelism
   one per device of the replica's tensor group (tensor columns)."""
-  return getattr(strategy.extended, "zero_traces_per_replica", 1)
+  return strategy_hooks.of(strategy).zero_traces_per_replica
 
 
 def is_spread(slice_variable):
@@ -54,7 +55,7 @@ def _gather(variables):
   names = [v.name for v in variables]
   # SPMD: each trace gathers its column's slices; the first device of a
   # group, whose results leave the replica, gathers every column's.
-  over_columns = getattr(strategy.extended, "zero_gather_columns", None)
+  over_columns = strategy_hooks.of(strategy).zero_gather_columns
 
   def gather_on_replica():
     # In a replica context a slice variable reads as the replica's slice.
@@ -62,11 +63,11 @@ def _gather(variables):
     wholes = collectives.all_gather_many(
         pieces, CHECKPOINT, names, [None] * len(pieces),
         collectives.DEFAULT_BUCKET_BYTES)
-    return over_columns(wholes) if over_columns else wholes
+    return over_columns(wholes)
 
   wholes = tf.function(lambda: strategy.run(gather_on_replica))()
   found = [strategy.experimental_local_results(w)[0].numpy() for w in wholes]
-  return [list(f) if over_columns else [f] for f in found]
+  return [list(f) for f in found]
 
 
 def gather_parts(strategy, parts, name):
