@@ -143,15 +143,19 @@ def test_head_biases_round_as_one_device():
 
 
 def test_attention_input_gradient_takes_one_reduction_per_projection():
-  # Under a mixed policy the query, key and value projections' input
-  # gradients are each reduced in float32 (3 per layer); the layer's plain
-  # copy of the input adds none (it took a 4th, of zeros, before).
+  # Under a mixed policy each split projection's input gradient is
+  # all-reduced over the tensor group in float32, one per projection and
+  # device (3 per attention layer: query, key, value); the layer's plain
+  # copy of the input adds none.
   log = _one_step("mixed_bfloat16", "data2_tensor2")[2]
-  reduced = [r for r in log.step_records()
-             if r.kind == "reduce" and r.phase == "backward" and
-             r.layer == "self_attention"]
-  assert len(reduced) == 3 * 2  # Two blocks.
-  assert all(r.bytes == reduced[0].bytes for r in reduced)
+  backward = [r for r in log.step_records(0)
+              if r.kind == "all-reduce" and r.phase == "backward"]
+  attention = [r for r in backward if r.layer in ("query", "key", "value")]
+  assert len(attention) == 3 * 2 * 2  # Two blocks, two devices.
+  assert all(r.bytes == attention[0].bytes for r in attention)
+  assert {r.layer for r in backward} == {
+      "query", "key", "value", "feedforward_gate_dense",
+      "feedforward_intermediate_dense", "token_embedding"}
 
 
 @functools.lru_cache(maxsize=None)
