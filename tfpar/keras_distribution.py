@@ -28,6 +28,10 @@ scope:
   larger than 1, `from_keras_distribution` returns `tfpar.ZeRO(stage=3)`
   as a callback for `fit`, and `set_distribution`, which cannot pass
   callbacks, warns that it keeps those weights whole over the batch axis.
+- an entry for a layer's output (`<layer path>/output`, which Keras's JAX
+  backend uses to relayout activations) is left out with a warning: tfpar
+  lays out activations itself (Keras's TensorFlow backend has no relayout
+  and failed with an AttributeError there).
 """
 
 import collections
@@ -117,8 +121,8 @@ def from_keras_distribution(distribution):
   devices = _tensorflow_devices(grid.ravel())
   layout_map = keras_distribution_parts.layout_map(distribution)
   spreads_over_batch = data > 1 and any(
-      layout is not None and batch in tuple(layout.axes)
-      for layout in layout_map.values())
+      layout is not None and batch in tuple(layout.axes) and
+      not key.endswith(_OUTPUT) for key, layout in layout_map.items())
   if tensor == 1 and spreads_over_batch:
     return KerasDistributionSetup(data_strategy.DataParallelStrategy(
         mesh_lib.Mesh({"data": data}, devices),
@@ -128,6 +132,10 @@ def from_keras_distribution(distribution):
       plan=layout_map_lib.LayoutMapPlan(layout_map, model_axis))
   callbacks = [zero_callback.ZeRO(stage=3)] if spreads_over_batch else []
   return KerasDistributionSetup(strategy, callbacks)
+
+
+# How Keras names a layer's output in a layout map (`Layer.__call__`).
+_OUTPUT = "/output"
 
 
 def _tensorflow_devices(names):
@@ -239,4 +247,5 @@ def install_set_distribution():
   if current is set_distribution:
     return
   _keras_set_distribution[0] = current
+  keras_distribution_parts.install_output_layouts()
   keras_distribution_parts.replace_set_distribution(set_distribution)

@@ -6,8 +6,12 @@ TensorFlow. `keras.distribution.set_distribution` is a function of Keras's
 private `distribution_lib` module, which `Distribution.scope()` looks up
 there at each call; tfpar replaces it (in that module and in the public
 `keras.distribution` namespace) to make the distribution's strategy
-TensorFlow's default.
+TensorFlow's default. Keras's TensorFlow backend has no `distribute_tensor`,
+which Keras calls on a layer's output when a layout map has an entry for
+it (`<layer path>/output`); tfpar adds one that leaves the tensor as it is.
 """
+
+import warnings
 
 import keras
 
@@ -34,3 +38,24 @@ def replace_set_distribution(function):
           "keras.distribution.set_distribution on TensorFlow")
   distribution_lib.set_distribution = function
   keras.distribution.set_distribution = function
+
+
+def _distribute_tensor(tensor, layout):
+  """Keras's relayout of a layer's output, on TensorFlow: tfpar's strategy
+  lays out activations itself; the value is the same. (Python shows the
+  warning once per layout.)"""
+  warnings.warn(
+      f"keras.distribution: a LayoutMap entry lays out a layer's output "
+      f"(TensorLayout axes={tuple(layout.axes)}); on TensorFlow tfpar's "
+      f"strategy lays out activations itself and leaves such entries "
+      f"out. Received: layout={layout!r}", stacklevel=2)
+  return tensor
+
+
+def install_output_layouts():
+  """Gives Keras's TensorFlow backend the `distribute_tensor` Keras calls
+  for a layout map's `.../output` entries, unless it has one."""
+  backend_lib = require(distribution_lib, "distribution_lib",
+                        "the backend's distribution functions")
+  if getattr(backend_lib, "distribute_tensor", None) is None:
+    backend_lib.distribute_tensor = _distribute_tensor
