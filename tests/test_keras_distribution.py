@@ -243,11 +243,31 @@ def test_keras_hub_map_under_set_distribution_warns_what_it_keeps_whole(
   """keras-hub's maps also spread weights over the batch axis; with a model
   axis too that takes tfpar.ZeRO as a callback, which set_distribution
   cannot pass: it says so."""
+  reference, reference_losses = hub_common.reference("llama", "sgd")
   distribution = _model_parallel(keras_hub.models.LlamaBackbone.get_layout_map)
   with pytest.warns(UserWarning, match="kept whole over the batch axis"):
     keras.distribution.set_distribution(distribution)
   assert isinstance(tf.distribute.get_strategy(),
                     tfpar.TensorParallelStrategy)
+  # Ordinary Keras code: no scope, no callbacks.
+  model = hub_common.language_model("llama")
+  model.compile(optimizer=hub_common.optimizer("sgd"),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  x, y = hub_common.data("llama")
+  history = model.fit(x, y, batch_size=hub_common.BATCH, epochs=1,
+                      shuffle=False, verbose=0)
+  assert model.distribute_strategy is tf.distribute.get_strategy()
+  assert abs(history.history["loss"][-1] - reference_losses[-1]) < 1e-5
+  expected = tfpar.logical_weights(reference)
+  got = tfpar.logical_weights(model)
+  worst = max(float(np.abs(got[p] - expected[p]).max()) for p in expected)
+  assert worst < 1e-5, worst
+  # Split over the model axis only: about half the model on each device.
+  held = hub_common.bytes_by_device(model)
+  total = sum(hub_common.bytes_by_device(reference).values())
+  assert len(held) == 4
+  assert 0.3 * total < max(held.values()) < 0.6 * total, (held, total)
 
 
 def test_set_distribution_inside_a_strategy_scope_is_refused(
