@@ -52,6 +52,7 @@ import inspect
 from tfpar import batches
 from tfpar._compat import keras_trainer
 from tfpar._compat.keras_modules import tf_trainer
+from tfpar.common import strategy_hooks
 
 _installed = set()
 
@@ -166,12 +167,9 @@ def _wrap_run(name):
   @functools.wraps(original)
   def method(self, *args, **kwargs):
     _collect_interrupted_runs()
-    extended = getattr(self.distribute_strategy, "extended", None)
-    check_run = getattr(extended, "check_run", None)
-    if check_run is not None:
-      check_run(self)
-    check = getattr(extended, "check_batch_size", None)
-    if check is not None:
+    hooks = strategy_hooks.of(self.distribute_strategy)
+    hooks.check_run(self)
+    if hooks.checks_batch_size:
       bound = signature.bind_partial(self, *args, **kwargs).arguments
       batch_size, what = bound.get("batch_size"), "batch_size"
       if batch_size is None and _is_array_like(bound.get("x")):
@@ -179,13 +177,13 @@ def _wrap_run(name):
       if batch_size is None:  # A tf.data pipeline names its own.
         batch_size = batches.dataset_batch_size(bound.get("x"))
         what = "the dataset's batch size"
-      check(batch_size, what)
-    distributed = getattr(extended, "datasets_distributed", None)
+      hooks.check_batch_size(batch_size, what)
+    distributed = hooks.datasets_distributed
     try:
       return original(self, *args, **kwargs)
     except BaseException:
       # A stock strategy (no counter) may have distributed its input too.
-      if (getattr(extended, "datasets_distributed", None) != distributed or
+      if (hooks.datasets_distributed != distributed or
           distributed is None and
           keras_trainer.model_strategy(self) is not None):
         _collection[0] = True  # Its input iterators await collection.
