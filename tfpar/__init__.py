@@ -105,13 +105,19 @@ class _HookKerasOnImport:
       execute(module)
       if self in sys.meta_path:
         sys.meta_path.remove(self)
-      importlib.import_module("tfpar.keras_hooks").install_fit_preparation()
+      _install_keras_hooks()
 
     loader.exec_module = exec_module
     return spec
 
 
-if "keras" in sys.modules:
+def _install_keras_hooks():
   importlib.import_module("tfpar.keras_hooks").install_fit_preparation()
+  importlib.import_module(
+      "tfpar.keras_distribution").install_set_distribution()
+
+
+if "keras" in sys.modules:
+  _install_keras_hooks()
 elif not any(isinstance(f, _HookKerasOnImport) for f in sys.meta_path):
   sys.meta_path.insert(0, _HookKerasOnImport())

@@ -67,10 +67,7 @@ def install_model_registration():
   def __init__(self, *args, **kwargs):
     original(self, *args, **kwargs)
     strategy = keras_trainer.model_strategy(self)
-    register = getattr(getattr(strategy, "extended", None), "register_model",
-                       None)
-    if register is not None:
-      register(self)
+    strategy_hooks.of(strategy).register_model(self)
 
   tf_trainer.TensorFlowTrainer.__init__ = __init__
   _installed.add("registration")
@@ -82,20 +79,17 @@ def install_symbolic_build_batch():
   if "symbolic_build" in _installed:
     return
   keras_trainer.install_symbolic_build_batch(
-      lambda strategy: getattr(getattr(strategy, "extended", None),
-                               "symbolic_build_batch", None))
+      lambda strategy: strategy_hooks.of(strategy).symbolic_build_batch)
   _installed.add("symbolic_build")
 
 
 def install_fit_preparation():
   """Patches `TensorFlowTrainer.fit` to call `prepare_fit` on callbacks
-  before it and `finish_fit` after it however it ends, and makes
-  `keras.distribution.set_distribution` set tfpar's strategy on TensorFlow
-  (`keras_distribution.install_set_distribution`)."""
+  before it and `finish_fit` after it however it ends. (`import tfpar`
+  also makes `keras.distribution.set_distribution` set tfpar's strategy:
+  `keras_distribution.install_set_distribution`.)"""
   if "fit" in _installed:
     return
-  from tfpar import keras_distribution  # pylint: disable=g-import-not-at-top
-  keras_distribution.install_set_distribution()
   original = tf_trainer.TensorFlowTrainer.fit
 
   @functools.wraps(original)

@@ -32,9 +32,18 @@ class StrategyHooks:
   zero_traces_per_replica = 1
   # Whether ZeRO-3 may run a layer's call again in its backward pass.
   zero_recomputes = True
+  # `symbolic_build_batch(batch)`: the batch Keras builds a model from
+  # before its first run (`keras_hooks.install_symbolic_build_batch`);
+  # None: Keras's own (a reduce of the batch across replicas).
+  symbolic_build_batch = None
   # Whether `check_batch_size` checks anything (`keras_hooks` reads a
   # run's batch size only then).
   checks_batch_size = False
+
+  def register_model(self, model):
+    """Records `model`, created in the strategy's scope, to lay it out once
+    built."""
+    del model
 
   def check_run(self, model):
     """Raises for a setting of `model` the strategy cannot run (`fit`,
