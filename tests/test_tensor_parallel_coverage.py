@@ -43,13 +43,30 @@ def test_replicate_rule_accepts_it_and_describe_lists_it():
                               "wide/bias (128)")
 
 
-def test_lora_dense_is_a_value_error_naming_layer_and_class():
+def test_lora_factors_split_with_their_kernel():
   inputs = keras.Input((16,))
   up = keras.layers.Dense(64, activation="relu", name="up")
-  x = up(inputs)
-  model = keras.Model(inputs, keras.layers.Dense(16, name="down")(x))
+  down = keras.layers.Dense(16, name="down")
+  model = keras.Model(inputs, down(up(inputs)))
   up.enable_lora(2)
-  with pytest.raises(ValueError, match=r"Layer 'up' \(Dense\) uses LoRA"):
+  down.enable_lora(2)
+  axes = {v.path: v.axis for layout in tfpar.ShardingPlan().resolve(model, 2)
+          for v in layout.variables}
+  # Column-parallel: `b` split on the outputs; row-parallel: `a` on the
+  # inputs; the other factor whole.
+  assert axes == {"up/kernel": 1, "up/bias": 0, "up/lora_kernel_a": None,
+                  "up/lora_kernel_b": 1, "down/kernel": 0, "down/bias": None,
+                  "down/lora_kernel_a": 0, "down/lora_kernel_b": None}
+
+
+def test_float8_dense_is_a_value_error_naming_the_mode():
+  inputs = keras.Input((16,))
+  up = keras.layers.Dense(64, activation="relu", name="up")
+  model = keras.Model(inputs, keras.layers.Dense(16, name="down")(up(inputs)))
+  model.quantize("float8")
+  with pytest.raises(ValueError, match=(
+      r"Layer 'up' \(Dense\) is quantized with quantization_mode='float8'"
+      r".*splits quantized kernels of mode 'int8' only")):
     tfpar.ShardingPlan().resolve(model, 2)
 
 

@@ -35,6 +35,7 @@ from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles as tp_styles
+from tfpar.tensor_parallel.spmd import adapters
 from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
 from tfpar.tensor_parallel.spmd import layers as layers_lib
@@ -130,6 +131,8 @@ class TensorStagesExtended(per_device_extended.PerDeviceExtended,
                           self._memos[stage.index % self.pipeline_size])
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     whole_weights.install(model)
+    adapters.install(model, self._container_strategy(), self.tensor_size,
+                     late_lora=False)
     # The stage models are Models of their own over the same layers: their
     # `trainable_weights` (read for regularization losses) must list the
     # shards too, not their layers' whole weights.

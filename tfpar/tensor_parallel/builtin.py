@@ -6,6 +6,7 @@ from tfpar._compat import keras_attention
 from tfpar._compat import keras_layers
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import lora
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 
@@ -45,13 +46,7 @@ def _projection_layout(layer, kind, style, source, tensor_size):
   if isinstance(style, styles.Replicate):
     return layouts.LayerLayout(layer, kind, style, tuple(
         _variable(v, style, None, source) for v in layer.weights))
-  if getattr(layer, "lora_enabled", False) or getattr(
-      layer, "quantization_mode", None):
-    raise ValueError(
-        f"Layer {layer.name!r} ({type(layer).__name__}) uses LoRA or "
-        f"quantization ({source} gives it {style}), which tfpar cannot "
-        f"split. Give its weights tfpar.Replicate(), e.g. "
-        f"ShardingPlan([({layer.name + '/.*'!r}, tfpar.Replicate())]).")
+  lora.check_quantization(layer, style, source)
   kernel, bias = _kernel(layer), layer.bias
   letter = None
   if kind == layouts.DENSE:
@@ -78,6 +73,8 @@ def _projection_layout(layer, kind, style, source, tensor_size):
         bias_axis is not None)
     variables.append(_variable(bias, style if split_bias else styles.REPLICATE,
                                bias_axis if split_bias else None, source))
+  variables.extend(lora.extra_layouts(layer, kernel, kernel_axis, style,
+                                      source))
   return layouts.LayerLayout(layer, kind, style, tuple(variables), letter)
 
 
@@ -189,7 +186,7 @@ def _is_embedding(layer):
 
 
 def _resolve_embedding(layer, user, tensor_size, use_builtin):
-  table = layer.embeddings
+  table = keras_layers.embeddings(layer)  # The variable (LoRA: a tensor).
   if table.path in user:
     style, source = user[table.path]
   elif use_builtin and layer.input_dim < tensor_size:
@@ -210,12 +207,18 @@ def _resolve_embedding(layer, user, tensor_size, use_builtin):
     raise ValueError(f"{source} gives embedding table {table.path!r} the "
                      f"style {style}; tables take tfpar.VocabParallel() or "
                      f"tfpar.Replicate().")
-  if getattr(layer, "lora_enabled", False) or getattr(
-      layer, "quantization_mode", None):
+  if getattr(layer, "lora_enabled", False):
     raise ValueError(
-        f"Layer {layer.name!r} ({type(layer).__name__}) uses LoRA or "
-        f"quantization, which tfpar cannot split. Give its weights "
-        f"tfpar.Replicate().")
+        f"Layer {layer.name!r} ({type(layer).__name__}) has LoRA enabled "
+        f"({source} gives it {style}); tensor parallelism splits the LoRA "
+        f"of Dense and EinsumDense layers only. Enable LoRA on those "
+        f"(keras-hub's backbone.enable_lora targets the attention "
+        f"projections), or give the embedding's weights tfpar.Replicate().")
+  lora.check_quantization(layer, style, source)
+  if getattr(layer, "quantization_mode", None) == "int8":  # Row scales.
+    tables.append((layer.embeddings_scale, 0))
+    if reverse is not None:
+      tables.append((layer.reverse_embeddings_scale, 0))
   _check_divisible("input_dim (vocabulary)", layer.input_dim, tensor_size,
                    layer)
   return layouts.LayerLayout(layer, layouts.EMBEDDING, style, tuple(

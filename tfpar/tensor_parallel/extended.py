@@ -37,6 +37,7 @@ from tfpar.engine.per_device import checks as per_device_checks
 from tfpar.engine.per_device import collectives
 from tfpar.engine.per_device import extended as per_device_extended
 from tfpar.tensor_parallel import plan as plan_lib
+from tfpar.tensor_parallel.spmd import adapters
 from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
 from tfpar.tensor_parallel.spmd import layers as layers_lib
@@ -181,6 +182,7 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
     dropout_lib.install(model, already, self._memo)
     object.__setattr__(model, "_tfpar_layouts", already)
     whole_weights.install(model)
+    adapters.install(model, self._container_strategy(), self.tensor_size)
     if optimizer is not None and optimizer.built and not getattr(
         optimizer, "_tfpar_adopted", False):
       # Built for the unsharded weights (keras.models.load_model): move

@@ -44,15 +44,20 @@ def _trace(model, candidates):
       return output
     return call
 
-  patched = [layer for layer in candidates if "call" not in vars(layer)]
+  # Keras calls a quantized layer's `quantized_call` instead of `call`.
+  method = lambda layer: ("quantized_call" if getattr(
+      layer, "quantization_mode", None) else "call")
+  patched = [layer for layer in candidates if method(layer) not in
+             vars(layer)]
   for layer in patched:
-    object.__setattr__(layer, "call", recording(layer, layer.call))
+    object.__setattr__(layer, method(layer), recording(
+        layer, getattr(layer, method(layer))))
   try:
     tf.function(lambda x: model(x, training=False),
                 autograph=False).get_concrete_function(specs)
   finally:
     for layer in patched:
-      object.__delattr__(layer, "call")
+      object.__delattr__(layer, method(layer))
   return records
 
 

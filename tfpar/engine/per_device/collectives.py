@@ -275,3 +275,15 @@ def summed_by_first_sharer(groups, y, sharers, layer):
       return tf.cast(total, dy.dtype)
     return tf.identity(value), grad
   return _summed(y)
+
+
+def group_max(groups, x, layer):
+  """The elementwise maximum of `x` over the tensor group (an all-gather
+  of every device's `x`; no gradient): the whole input's quantization
+  range of a row-parallel int8 layer."""
+  if current_slot() is None:
+    _outside_replica(layer)
+    return x
+  everyone = _gather_along(groups, tf.stop_gradient(x)[None], 0, layer,
+                           instrument.FORWARD)
+  return tf.reduce_max(everyone, axis=0)

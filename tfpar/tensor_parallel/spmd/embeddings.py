@@ -7,6 +7,7 @@ from keras import ops
 from tfpar._compat.keras_modules import backend
 from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import rounding
+from tfpar.tensor_parallel.spmd import quantized as quantized_lib
 
 
 def vocab(layer, memo):
@@ -23,8 +24,12 @@ def vocab(layer, memo):
       inputs = ops.cast(inputs, "int32")
     local = inputs - index * rows
     inside = ops.logical_and(local >= 0, local < rows)
-    looked_up = ops.take(layer.embeddings, ops.where(inside, local, 0),
-                         axis=0)
+    if quantized_lib.is_quantized(layer):  # Keras's int8 rows, de-scaled.
+      looked_up = type(layer).quantized_call(layer,
+                                             ops.where(inside, local, 0))
+    else:
+      looked_up = ops.take(layer.embeddings, ops.where(inside, local, 0),
+                           axis=0)
     # Partial rows cross in the compute dtype: exact, one is not zero.
     looked_up = ops.cast(looked_up, layer.compute_dtype)
     looked_up = looked_up * ops.cast(inside, looked_up.dtype)[..., None]
@@ -49,6 +54,12 @@ def reversible(layer, memo):
   def call(inputs, reverse=False):
     if not reverse:
       return _lookup_mask(layer, inputs, lookup(inputs))
+    if quantized_lib.is_quantized(layer):
+      # Keras's int8 logits of this device's rows (its soft cap is
+      # elementwise), gathered.
+      logits = type(layer).quantized_call(
+          layer, memo.f(inputs, layer.name), reverse=True)
+      return collectives.gather(memo.groups, logits, -1, layer.name)
     kernel = (ops.transpose(layer.embeddings) if layer.tie_weights else
               layer.reverse_embeddings)
     if layer.reverse_dtype is None and memo.wide(layer):

@@ -35,11 +35,13 @@ from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import builtin
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import lora
 from tfpar.tensor_parallel import rounding
 from tfpar.tensor_parallel import shared_heads
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 from tfpar.tensor_parallel.spmd import embeddings
+from tfpar.tensor_parallel.spmd import quantized as quantized_lib
 from tfpar.tensor_parallel.spmd import terms
 
 
@@ -65,11 +67,14 @@ def _wide_column(layer, memo, inputs):
 
 
 def _column(layer, memo, paired=True):
-  stock = layer.call
+  quantized = quantized_lib.is_quantized(layer)
+  # An int8 layer's own quantized call, on its shard (`quantized.py`).
+  stock = layer.quantized_call if quantized else layer.call
   axis = layouts.activation_split_axis(layer, styles.COLUMN)
 
   def call(inputs, *args, **kwargs):
-    if memo.wide(layer):
+    lora.mark_partial_factor(layer, memo)
+    if memo.wide(layer) and not quantized:
       y = _wide_column(layer, memo, inputs)
     else:
       y = stock(memo.f(inputs, layer.name), *args, **kwargs)
@@ -85,10 +90,13 @@ def _row(layer, memo, paired=True):
 
   def call(inputs, training=None):
     del training
+    lora.mark_partial_factor(layer, memo)
     if not paired:  # A replicated input: this device's features of it.
       inputs = collectives.scatter(memo.groups, memo.whole(inputs, layer.name),
                                    axis, layer.name)
-    if memo.wide(layer):  # Partial sums in float32, rounded once.
+    if quantized_lib.is_quantized(layer):
+      y = quantized_lib.row_partial(layer, memo, inputs)
+    elif memo.wide(layer):  # Partial sums in float32, rounded once.
       y = rounding.widened_product(
           inputs, ops.cast(layer.kernel, layer.compute_dtype), equation)
     elif equation is None:
@@ -127,11 +135,15 @@ def _shared_head(dense, memo, sharers, rotated=None):
     slot = collectives.current_slot()
     index = 0 if slot is None else slot.tensor_index
     wide = memo.wide(dense)
-    x = (memo.f_wide(inputs, dense.name) if wide else
-         memo.f(inputs, dense.name))
-    y = shared_heads.head_slice(dense, x, index // sharers, wide)
-    if dense.activation is not None:
-      y = dense.activation(y)
+    if quantized_lib.is_quantized(dense):  # Its activation included.
+      y = quantized_lib.shared_head(dense, memo.f(inputs, dense.name),
+                                    index // sharers)
+    else:
+      x = (memo.f_wide(inputs, dense.name) if wide else
+           memo.f(inputs, dense.name))
+      y = shared_heads.head_slice(dense, x, index // sharers, wide)
+      if dense.activation is not None:
+        y = dense.activation(y)
     if rotated is not None:
       rotated["key"] = y
       return y
@@ -202,7 +214,8 @@ def _install_heads(layer_layout, memo):
           f"key projection's output with its rotary embedding layer, which "
           f"Tensor parallelism relies on to sum a key head "
           f"shared by {sharers} devices as one device does.")
-    if isinstance(result, (tuple, list)):
+    if isinstance(result, (tuple, list)) and not (
+        kwargs.get("cache") is not None and len(result) == 2):
       raise ValueError(
           f"Layer {layer.name!r} ({type(layer).__name__}) returned "
           f"{len(result)} values (a key/value cache or attention scores); "
@@ -214,6 +227,8 @@ def _install_heads(layer_layout, memo):
 
 def _set_call(layer, call):
   object.__setattr__(layer, "call", call)
+  # Keras calls a quantized layer's `quantized_call` instead.
+  object.__setattr__(layer, "quantized_call", call)
 
 
 def paired_layers(model, layer_layouts):

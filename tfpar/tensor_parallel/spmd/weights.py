@@ -10,6 +10,9 @@ shape. `SpmdWeight` is its whole view (`model.weights`, `get_weights`,
 saving), read and written column by column through `ColumnPiece`s.
 """
 
+import contextlib
+import threading
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -91,6 +94,14 @@ class SpmdWeight(ShardedWeight):
     self.variable = variable
     variable._tfpar_shard_of = (self, 0)  # pylint: disable=protected-access
 
+  @property
+  def trainable(self):
+    return self.variable.trainable
+
+  @trainable.setter
+  def trainable(self, value):  # Keras's enable_lora freezes the kernel.
+    self.variable.trainable = value
+
 
 def split_layer(layer_layout, tensor_size, strategy, groups=None):
   """Replaces each split variable of a layer by one SPMD variable.
@@ -140,12 +151,50 @@ def _replace(owner, variable, local, weight):
       if item is variable:
         store[position] = local
         break
+  attributes = vars(owner).setdefault("_tfpar_split_attributes", {})
   for attribute, value in list(vars(owner).items()):
     if value is variable:
+      attributes[attribute] = weight
       object.__setattr__(owner, attribute, local)
       # tf.train.Checkpoint follows tracked attributes: save the whole
       # weight where the variable was (the local one would save shard 0).
       keras_layers.track(owner, weight, attribute)
+      # Inside `whole_attributes`: whole until its outermost entry exits.
+      frame = next((f for f in _viewing.frames if id(owner) in f[0]), None)
+      if frame is not None:
+        frame[1].append((owner, attribute, local))
+        object.__setattr__(owner, attribute, weight)
+
+
+class _Viewing(threading.local):
+  frames = ()  # (ids of layers, [(layer, attribute, local)]), outermost first
+
+
+_viewing = _Viewing()
+
+
+@contextlib.contextmanager
+def whole_attributes(layers):
+  """Eagerly, each split weight's attribute of `layers` (a layer's
+  `_kernel`, `lora_kernel_a`...) is its whole `SpmdWeight` inside (in a
+  step each device reads its shard there): Keras's and keras-hub's own
+  code that reads and assigns whole values through those attributes
+  (`save_own_variables`, `save_lora_weights`, `enable_lora`) works
+  unchanged. Weights split inside are seen whole too."""
+  previous = _viewing.frames
+  swapped = []
+  _viewing.frames = previous + (({id(layer) for layer in layers}, swapped),)
+  try:
+    for layer in layers:
+      for attribute, weight in getattr(layer, "_tfpar_split_attributes",
+                                       {}).items():
+        swapped.append((layer, attribute, vars(layer)[attribute]))
+        object.__setattr__(layer, attribute, weight)
+    yield
+  finally:
+    for layer, attribute, local in reversed(swapped):
+      object.__setattr__(layer, attribute, local)
+    _viewing.frames = previous
 
 
 def spmd_weights(model):

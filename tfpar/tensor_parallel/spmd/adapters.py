@@ -1,0 +1,151 @@
+"""LoRA and quantized layers of a model sharded under SPMD, after sharding.
+
+A model is sharded when the strategy's scope closes (or at its first
+`fit` / `predict`); keras-hub users call `backbone.enable_lora(rank)`
+after building it, and save / load the factors with the backbone's
+`save_lora_weights` / `load_lora_weights`. What `install` does to each
+sharded model:
+
+* `enable_lora` on any of its Dense / EinsumDense layers creates the
+  factors whole, as one device draws them (Keras's own `enable_lora` run
+  with the layer's whole kernel in view, in the strategy's scope), then
+  lays them out as the sharded layer's plan does (`lora.py`): the factor
+  holding the kernel's split axis split, the other whole on every device.
+  Under pipeline stages it is refused (`late_lora=False`).
+* A LoRA or quantized layer saves and loads what Keras's own code writes
+  and reads on one device (LoRA merged into the kernel, int8 kernels with
+  their scales, in its order), through the whole weights.
+* A keras-hub backbone's `save_lora_weights` / `load_lora_weights` read
+  and write whole factors.
+* `quantize` on a sharded layer is refused: its kernel's scales would be
+  taken per shard.
+"""
+
+import keras
+
+from tfpar._compat import keras_layers
+from tfpar.engine import spread
+from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import lora
+from tfpar.tensor_parallel.spmd import weights as weights_lib
+
+
+def _adapted(layer):
+  return bool(getattr(layer, "lora_enabled", False) or
+              getattr(layer, "quantization_mode", None))
+
+
+def install(model, strategy, tensor_size, groups=None, late_lora=True):
+  """Adapts every layer of a just-sharded `model` (idempotent).
+
+  Args:
+    model: the sharded model.
+    strategy: its strategy (new factors are created in its scope).
+    tensor_size: devices per tensor group.
+    groups: the `collectives.TensorGroups` its split layers compute over.
+    late_lora: whether `enable_lora` after sharding lays the factors out;
+      False refuses it.
+  """
+  for layer in keras_layers.flatten_layers(model, include_self=True):
+    if getattr(layer, "_tfpar_adapters", False):
+      continue
+    if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense,
+                          keras.layers.Embedding)):
+      _refuse_quantize(layer, model)
+      _keras_saving(layer)
+      if not isinstance(layer, keras.layers.Embedding):
+        _late_enable_lora(layer, model, strategy, tensor_size, groups,
+                          late_lora)
+    if callable(getattr(layer, "save_lora_weights", None)):
+      for name in ("save_lora_weights", "load_lora_weights"):
+        _with_whole_attributes(layer, name)
+    object.__setattr__(layer, "_tfpar_adapters", True)
+
+
+def _refuse_quantize(layer, model):
+  def quantize(mode=None, *args, **kwargs):
+    del args, kwargs
+    raise ValueError(
+        f"Cannot quantize layer {layer.name!r} (mode={mode!r}) of model "
+        f"{model.name!r}: the model is already sharded, and a quantized "
+        f"kernel's scales must be taken over the whole kernel. Call "
+        f"model.quantize({mode!r}) before the model is sharded: inside "
+        f"strategy.scope() where it is built, before the scope closes and "
+        f"before the first fit / predict.")
+  object.__setattr__(layer, "quantize", quantize)
+
+
+def _keras_saving(layer):
+  """A LoRA or quantized layer saves as Keras's own code does, through
+  its whole weights; the others keep tfpar's logical saving."""
+  logical_save, logical_load = (layer.save_own_variables,
+                                layer.load_own_variables)
+  cls = type(layer)
+
+  def save_own_variables(store):
+    if not _adapted(layer):
+      return logical_save(store)
+    with weights_lib.whole_attributes([layer]):
+      return cls.save_own_variables(layer, store)
+
+  def load_own_variables(store):
+    if not _adapted(layer):
+      return logical_load(store)
+    with weights_lib.whole_attributes([layer]):
+      return cls.load_own_variables(layer, store)
+
+  object.__setattr__(layer, "save_own_variables", save_own_variables)
+  object.__setattr__(layer, "load_own_variables", load_own_variables)
+
+
+def _with_whole_attributes(backbone, name):
+  original = getattr(backbone, name)
+
+  def method(*args, **kwargs):
+    layers = keras_layers.flatten_layers(backbone, include_self=True)
+    with weights_lib.whole_attributes(layers):
+      return original(*args, **kwargs)
+  object.__setattr__(backbone, name, method)
+
+
+def _late_enable_lora(layer, model, strategy, tensor_size, groups, allowed):
+  original = layer.enable_lora
+
+  def enable_lora(rank, *args, **kwargs):
+    if not allowed:
+      raise ValueError(
+          f"Cannot enable LoRA on layer {layer.name!r} of model "
+          f"{model.name!r} (rank={rank!r}): the model is already cut into "
+          f"pipeline stages with split layers, which lays out its weights "
+          f"once. Call enable_lora before the model is prepared: inside "
+          f"strategy.scope() where it is built, before the scope closes "
+          f"and before the first fit / predict.")
+    kernel = keras_layers.dense_kernel(layer)
+    shard_of = getattr(kernel, "_tfpar_shard_of", None)
+    # Created whole on every device (the kernel seen whole: its shape).
+    with strategy.scope(), spread.creating_in_place(), (
+        weights_lib.whole_attributes([layer])):
+      result = original(rank, *args, **kwargs)
+    if shard_of is None:  # A replicated layer: its factors stay whole.
+      return result
+    weight = shard_of[0]
+    variable_layouts = lora.lora_layouts(
+        layer, weight.axis, weight.layout.style,
+        f"{weight.layout.source}; LoRA enabled after sharding")
+    # Keras's order now (the frozen kernel after the factors), whole.
+    order = getattr(layer, "_tfpar_logical_order")
+    wholes = {id(item.variable): item for item in order
+              if isinstance(item, weights_lib.SpmdWeight)}
+    order[:] = [wholes.get(id(v), v)
+                for v in keras_layers.own_variables(layer)]
+    kind = layouts.DENSE if isinstance(layer, keras.layers.Dense) else (
+        layouts.EINSUM)
+    with spread.creating_in_place():
+      weights_lib.split_layer(
+          layouts.LayerLayout(layer, kind, weight.layout.style,
+                              tuple(variable_layouts)),
+          tensor_size, strategy, groups)
+    return result
+
+  object.__setattr__(layer, "enable_lora", enable_lora)
+
