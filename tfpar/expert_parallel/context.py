@@ -85,14 +85,14 @@ class MoEContext:
     return None if replica is None else int(replica)
 
   def register(self, weight, block=None, first_column=0):
-    """Records a split `weight` of `block`, whose k-th variable lives on
-    the replicas' device column `first_column + k`."""
+    """Records a split `weight` of `block`, whose variable lives on the
+    replicas' device column `first_column`."""
     if block is not None:
       self._token_columns[block.path] = first_column
-    for column, variable in enumerate(weight.variables):
-      for key in (id(variable.value), id(keras_layers.storage(variable))):
-        self._expert_variables[key] = weight
-        self._columns_of[key] = first_column + column
+    variable = weight.variable
+    for key in (id(variable.value), id(keras_layers.storage(variable))):
+      self._expert_variables[key] = weight
+      self._columns_of[key] = first_column
 
   def weight_of(self, variable):
     """The `ExpertWeight` of an expert Keras variable."""

@@ -1,6 +1,6 @@
 """`ExpertWeight`: the whole [num_experts, ...] view of an expert weight
 split over the expert group (and the tensor columns under expert x
-tensor).
+tensor: then each device's component holds its own slot).
 
 It is what `model.weights` / `layer.weights` list in place of the local
 expert variables (`tfpar.common.whole_weights`), so it reads, converts and
@@ -26,15 +26,16 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
 
   Args:
     path: the original weight's path.
-    variables: the Keras variable of the local experts, or under
-      expert x tensor one per tensor column (variable k on the k-th device
-      of every replica).
-    ranks: the expert rank of each of their components (local replicas).
-    expert: the expert-group size.
+    variable: the Keras variable of the local experts.
+    ranks: the slot each of its components holds (the expert rank of a
+      local replica; under expert x tensor `rank x tensor + k` on the k-th
+      device of the replica).
+    expert: the number of slots (the expert-group size; x tensor under
+      expert x tensor).
 
-  The experts are split into `expert x columns` equal slots, rank-major:
-  the component of column k on a replica of expert rank j holds slot
-  `j * columns + k`. When some ranks live on other workers (an expert group
+  The experts are split into `expert` equal slots: the component holding
+  slot j holds experts `j*E/expert ... (j+1)*E/expert - 1`. When some
+  slots live on other workers (an expert group
   spanning workers), `numpy()` gathers the whole weight from every worker
   (a collective: every worker must read the same weights in the same
   order); `value`, `tf.convert_to_tensor` and checkpoints refuse with a
@@ -51,11 +52,9 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
   (0.0, 0.0)
   """
 
-  def __init__(self, path, variables, ranks, expert):
+  def __init__(self, path, variable, ranks, expert):
     self.path = path
-    if not isinstance(variables, (list, tuple)):
-      variables = [variables]
-    self.variables = tuple(variables)
+    self.variable = variable
     self._ranks = tuple(ranks)
     self._expert = expert
     # Reads the whole weight when some ranks live on other workers (a
@@ -63,18 +62,15 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
     self.gather = None
 
   @property
-  def variable(self):
-    """The variable of the first (or only) column."""
-    return self.variables[0]
-
-  @property
-  def columns(self):
-    return len(self.variables)
+  def variables(self):
+    """The Keras variables that stand in Keras's variable lists in place of
+    the whole weight: the local experts' one."""
+    return (self.variable,)
 
   @property
   def shape(self):
     local = tuple(self.variable.shape)
-    return (local[0] * self._expert * self.columns,) + local[1:]
+    return (local[0] * self._expert,) + local[1:]
 
   ranks = property(lambda self: self._ranks)
   expert = property(lambda self: self._expert)
@@ -88,24 +84,18 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
                                              None))
 
   def components_by_rank(self):
-    """{expert rank: the first local component holding its experts} (of
-    the first column)."""
-    return {rank: parts[0] for rank, parts in self._parts_by_rank().items()}
-
-  def _parts_by_rank(self):
-    """{expert rank: [its component of each column]}."""
+    """{slot: the first local component holding its experts}."""
     found = {}
-    columns = [components(v) for v in self.variables]
-    for position, rank in enumerate(self._ranks):
-      found.setdefault(rank, [parts[position] for parts in columns])
+    for rank, component in zip(self._ranks, components(self.variable)):
+      found.setdefault(rank, component)
     return found
 
   def spans_workers(self):
     """Whether some expert ranks live on other workers only."""
-    return len(self._parts_by_rank()) < self._expert
+    return len(self.components_by_rank()) < self._expert
 
   def _missing(self):
-    return sorted(set(range(self._expert)) - set(self._parts_by_rank()))
+    return sorted(set(range(self._expert)) - set(self.components_by_rank()))
 
   def numpy(self):
     """The whole weight; when some ranks live on other workers, gathered
@@ -118,10 +108,9 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
       raise ValueError(
           f"Expert weight {self.path!r}: the experts of rank(s) {missing} "
           f"live on other workers, so the whole weight cannot be read here.")
-    by_rank = self._parts_by_rank()
+    by_rank = self.components_by_rank()
     return np.concatenate(
-        [np.asarray(part.numpy()) for r in range(self._expert)
-         for part in by_rank[r]], 0)
+        [np.asarray(by_rank[r].numpy()) for r in range(self._expert)], 0)
 
   def whole_tensor(self):
     """The whole weight as one tensor (every rank on this worker)."""
@@ -132,9 +121,9 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
           f"live on other workers (the expert groups span workers); read it "
           f"with numpy() (a gather every worker makes) or save it with "
           f"tfpar.save_weights(model, path).")
-    by_rank = self._parts_by_rank()
-    return tf.concat([tf.convert_to_tensor(part) for r in range(self._expert)
-                      for part in by_rank[r]], 0)
+    by_rank = self.components_by_rank()
+    return tf.concat([tf.convert_to_tensor(by_rank[r])
+                      for r in range(self._expert)], 0)
 
   @property
   def value(self):
@@ -147,10 +136,9 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
     if tuple(value.shape) != self.shape:
       raise ValueError(f"Cannot assign a value of shape {value.shape} to "
                        f"expert weight {self.path!r} of shape {self.shape}.")
-    pieces = np.split(value, self._expert * self.columns, axis=0)
-    for column, variable in enumerate(self.variables):
-      for rank, component in zip(self._ranks, components(variable)):
-        component.assign(pieces[rank * self.columns + column])
+    pieces = np.split(value, self._expert, axis=0)
+    for rank, component in zip(self._ranks, components(self.variable)):
+      component.assign(pieces[rank])
 
   # tf.train.Checkpoint: one entry holding the whole weight, as one device
   # saves it; a restore gives each local component its slot's experts.
@@ -167,15 +155,12 @@ class ExpertWeight(WholeWeightView, trackable_base.Trackable):
   def restore_tensors(self, restored_tensors):
     """Gives each local component its slot's experts from a checkpoint's
     whole weight; returns the assign ops."""
-    pieces = tf.split(restored_tensors[VARIABLE_VALUE],
-                      self._expert * self.columns, axis=0)
+    pieces = tf.split(restored_tensors[VARIABLE_VALUE], self._expert, axis=0)
     return tf.group([
-        component.assign(pieces[rank * self.columns + column])
-        for column, variable in enumerate(self.variables)
-        for rank, component in zip(self._ranks, components(variable))])
+        component.assign(pieces[rank])
+        for rank, component in zip(self._ranks, components(self.variable))])
 
   def __repr__(self):
-    tensor = f" x tensor={self.columns}" if self.columns > 1 else ""
     return (f"<ExpertWeight path={self.path} shape={self.shape} "
-            f"split over expert={self._expert}{tensor}>")
+            f"split in {self._expert} slots>")
 

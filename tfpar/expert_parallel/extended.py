@@ -34,25 +34,25 @@ class ExpertSplitting:
     replicas = self._mesh.replicas
     return [replicas.index(group) for group in self._local_groups]
 
-  def column_scopes(self, block):
-    """None (`block`'s experts on the replica heads), or a context per
-    device holding them (per tensor column; its pipeline stage's device)
-    placing new variables on that device of every replica."""
+  def expert_placement(self, block):
+    """None (`block`'s experts where the strategy puts a variable), or a
+    context placing them (its pipeline stage's device of every replica;
+    every device under expert x tensor)."""
     del block
     return None
 
   def expert_slots(self):
     """(the slot of each local component of an expert variable, the
     number of slots): a slot per expert rank, held by each local
-    replica's variable (its column `k` under expert x tensor holds slot
-    `rank * tensor + k` of the rank's experts split in `tensor`)."""
+    replica's component (under expert x tensor the component on the k-th
+    device holds slot `rank * tensor + k`)."""
     ranks = [self._context.groups.expert_rank(r)
              for r in self.local_replica_ids()]
     return ranks, self._context.groups.expert
 
   def first_column(self, block):
     """The device column of every replica that runs `block` (and holds
-    its first `column_scopes`' experts)."""
+    its experts)."""
     del block
     return 0
 
@@ -108,7 +108,7 @@ class ExpertSplitting:
         for name in family.expert_weight_names:
           variable = getattr(bank, name)
           weight = variables_lib.split_expert_weight(
-              variable, ranks, slots, self.column_scopes(block))
+              variable, ranks, slots, self.expert_placement(block))
           weight.gather = whole_experts.reader(self._context, weight)
           variables_lib.replace(bank, variable, weight)
           self._context.register(weight, block, self.first_column(block))

@@ -74,37 +74,19 @@ def adopt(optimizer, context, items=None, clip_model=None):
 
 def whole_entries(optimizer, context, items=None):
   """The optimizer's variables (or `items`), each slot of an expert weight
-  as an `ExpertWeight` (whole) view, in the optimizer's order. Under
-  expert x tensor the slots of a weight's tensor columns make one view,
-  where its first column's slot is."""
-  prefixes = {}
-  for weight in context.expert_weights():
-    for column, variable in enumerate(weight.variables):
-      prefixes[variable.path.replace("/", "_") + "_"] = (weight, column)
+  as an `ExpertWeight` (whole) view, in the optimizer's order."""
+  prefixes = {weight.variable.path.replace("/", "_") + "_": weight
+              for weight in context.expert_weights()}
   items = optimizer.variables if items is None else items
-  groups, entries = {}, []
+  found = []
   for item in items:
     name = getattr(item, "name", "")
-    owner = next(((w, c, name[len(p):]) for p, (w, c) in prefixes.items()
-                  if name.startswith(p)), None)
-    if owner is None or tuple(item.shape) != tuple(owner[0].variable.shape):
-      entries.append(item)
+    weight = next((w for p, w in prefixes.items() if name.startswith(p)),
+                  None)
+    if weight is None or tuple(item.shape) != tuple(weight.variable.shape):
+      found.append(item)
       continue
-    weight, column, slot_name = owner
-    key = (weight.path, slot_name)
-    if key not in groups:
-      groups[key] = [None] * weight.columns
-      entries.append(key)
-    groups[key][column] = item
-  by_path = {w.path: w for w, _ in prefixes.values()}
-  found = []
-  for entry in entries:
-    if not isinstance(entry, tuple):
-      found.append(entry)
-      continue
-    weight = by_path[entry[0]]
-    slots = groups[entry]
-    view = variables_lib.ExpertWeight(slots[0].path, slots, weight.ranks,
+    view = variables_lib.ExpertWeight(item.path, item, weight.ranks,
                                       weight.expert)
     view.gather = whole_experts.reader(context, view)
     found.append(view)
@@ -117,10 +99,8 @@ def _checkpoint_whole_slots_once_built(optimizer, context):
   def install():
     for entry in whole_entries(optimizer, context):
       if isinstance(entry, variables_lib.ExpertWeight):
-        # Under expert x tensor: each tensor column's slot saves its
-        # experts of every rank.
-        for slot in entry.variables:
-          variables_lib.checkpoint_whole(slot, entry.ranks, entry.expert)
+        variables_lib.checkpoint_whole(entry.variable, entry.ranks,
+                                       entry.expert)
 
   if optimizer.built:
     install()

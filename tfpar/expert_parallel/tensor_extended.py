@@ -120,11 +120,11 @@ class ExpertTensorParallelExtended(expert_extended.ExpertSplitting,
     return ([rank * t + k for rank in ranks for k in range(t)],
             self._context.groups.expert * t)
 
-  def column_scopes(self, block):
+  def expert_placement(self, block):
     del block
     # One variable on every device (its component there: the device's
     # slot), made as the strategy makes a variable, not spread.
-    return [spread.creating_in_place()]
+    return spread.creating_in_place()
 
   def checked_blocks(self, model, unsplit=False):
     blocks = super().checked_blocks(model, unsplit)

@@ -8,9 +8,9 @@ next to it, and `extended.update` applies each replica's own (reduced)
 gradient to its own component, so the experts of different ranks train
 apart while replicas of the same rank stay equal.
 
-Under expert x tensor the weight becomes one such variable per tensor
-column k, of shape [E / (expert * tensor), ...], on the k-th device of
-every replica (`split_expert_weight`'s `column_scopes`).
+Under expert x tensor the variable, of shape [E / (expert * tensor), ...],
+has a component on every device of every replica, each holding its own
+slot of the experts (`split_expert_weight`'s `placement`).
 
 `ExpertWeight` is the whole weight: it reads and assigns the [E, ...]
 tensor, which `tfpar.logical_weights` and `save_weights` use.
@@ -30,21 +30,20 @@ from tfpar.expert_parallel.expert_weight import ExpertWeight
 from tfpar.memory import components
 
 
-def split_expert_weight(variable, ranks, expert, column_scopes=None):
-  """A variable holding `variable`'s experts of each local replica's rank
-  (one per tensor column under expert x tensor).
+def split_expert_weight(variable, ranks, expert, placement=None):
+  """A variable holding `variable`'s experts of each local component's
+  slot.
 
   Call in the strategy's scope, outside any replica context.
 
   Args:
     variable: the built layer's Keras variable [num_experts, ...].
-    ranks: the expert rank of each local replica, in replica order.
-    expert: the expert-group size.
-    column_scopes: None (the variable lives on the replica heads), or one
-      context per tensor column that places new variables on that column's
-      device of every replica; the experts are then split into
-      `expert x len(column_scopes)` slots (rank-major). A single context
-      (a pipeline stage's device) only places the variable.
+    ranks: the slot of each local component, in order (a local
+      replica's expert rank; under expert x tensor, a device's slot).
+    expert: the number of slots the experts are split into.
+    placement: None (the variable lives where the strategy puts a
+      variable), or a context placing it (a pipeline stage's device of
+      every replica; every device under expert x tensor).
 
   Returns:
     An `ExpertWeight` whose `variables` replace `variable` in its layer.
@@ -62,47 +61,34 @@ def split_expert_weight(variable, ranks, expert, column_scopes=None):
   storage = keras_layers.storage(variable)
   if hasattr(storage, "release"):  # Created spread (tensor parallelism).
     storage.release()
-  columns = 1 if column_scopes is None else len(column_scopes)
-  pieces = np.split(whole, expert * columns, axis=0)
-  made = []
-  for column in range(columns):
-    suffix = "_experts" if columns == 1 else f"_experts{column}"
-    scope = (contextlib.nullcontext() if column_scopes is None
-             else column_scopes[column])
-    with tf.init_scope(), scope:
-      local = keras.Variable(pieces[ranks[0] * columns + column],
-                             dtype=variable.dtype,
-                             trainable=variable.trainable,
-                             name=f"{variable.name}{suffix}")
-      keras_layers.set_path(local, f"{variable.path}{suffix}")
-      parts = components(local)
-      if len(parts) != len(ranks):
-        raise ValueError(
-            f"Expert weight {variable.path!r} got {len(parts)} component(s) "
-            f"for {len(ranks)} local replica(s).")
-      for rank, component in zip(ranks, parts):
-        component.assign(pieces[rank * columns + column])
-    made.append(local)
-  piece_terms.carry_over(variable, made)
-  weight = ExpertWeight(variable.path, made, ranks, expert)
-  for column, local in enumerate(made):
-    # Under expert x tensor each column's variable saves (and restores) its
-    # experts of every rank; the layer tracks the whole weight (`replace`).
-    checkpoint_whole(local, ranks, expert)
-    # Keras's weight API speaks whole weights
-    # (`tfpar.common.whole_weights`): the local variables are the
-    # "shards" of their whole weight.
-    local._tfpar_shard_of = (weight, column)  # pylint: disable=protected-access
+  pieces = np.split(whole, expert, axis=0)
+  with tf.init_scope(), placement or contextlib.nullcontext():
+    local = keras.Variable(pieces[ranks[0]], dtype=variable.dtype,
+                           trainable=variable.trainable,
+                           name=f"{variable.name}_experts")
+    keras_layers.set_path(local, f"{variable.path}_experts")
+    parts = components(local)
+    if len(parts) != len(ranks):
+      raise ValueError(
+          f"Expert weight {variable.path!r} got {len(parts)} component(s) "
+          f"for {len(ranks)} local slot(s).")
+    for rank, component in zip(ranks, parts):
+      component.assign(pieces[rank])
+  piece_terms.carry_over(variable, [local])
+  weight = ExpertWeight(variable.path, local, ranks, expert)
+  # The variable saves (and restores) the experts of every slot.
+  checkpoint_whole(local, ranks, expert)
+  # Keras's weight API speaks whole weights (`tfpar.common.whole_weights`):
+  # the local variable is the one "shard" of its whole weight.
+  local._tfpar_shard_of = (weight, 0)  # pylint: disable=protected-access
   return weight
 
 
 def checkpoint_whole(variable, ranks, expert):
   """Makes `tf.train.Checkpoint` save `variable` (a Keras variable whose
   component on each local replica holds that replica's experts, or their
-  optimizer slots) as the tensor of every rank's experts
-  ([num_experts, ...], or under expert x tensor its column's
-  [num_experts / tensor, ...]), and restore each component's experts from
-  it. TF saves a distributed variable's first component alone, which here
+  optimizer slots) as the tensor of every slot's experts
+  ([num_experts, ...]), and restore each component's experts from it. TF saves a distributed variable's first component alone, which here
   would be the experts of rank 0 only.
 
   Args:
@@ -130,8 +116,7 @@ def replace(owner, variable, weight):
   lists, `weight.variable` among its attributes, and `weight` in its
   logical order (whole weights for `tfpar.logical_weights` and
   `save_weights`). `tf.train.Checkpoint` sees the attribute's whole weight
-  (the local variable saving every rank's experts, or under expert x
-  tensor the `ExpertWeight` of every column)."""
+  (the local variable saving every slot's experts)."""
   split_weights.record_logical_weight(owner, variable, weight)
   for store in keras_layers.variable_lists(owner):
     for position, item in enumerate(store):
@@ -143,8 +128,7 @@ def replace(owner, variable, weight):
       object.__setattr__(owner, attribute, weight.variable)
       # tf.train.Checkpoint follows tracked attributes: without this the
       # whole variable stays tracked, alive on every device.
-      keras_layers.track(owner, weight if weight.columns > 1
-                         else weight.variable, attribute)
+      keras_layers.track(owner, weight.variable, attribute)
   # Saves and loads `owner`'s logical order (whole weights), as tensor
   # parallelism does for its shards.
   split_weights.install_logical_saving(owner)

@@ -78,8 +78,8 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
   def first_column(self, block):
     return self._stage_columns[block.path]
 
-  def column_scopes(self, block):
-    return [self.variables_on_column(self.first_column(block))]
+  def expert_placement(self, block):
+    return self.variables_on_column(self.first_column(block))
 
   def prepare_model(self, model):
     optimizer = getattr(model, "optimizer", None)
