@@ -1,0 +1,130 @@
+"""Keras's LoRA and int8 bases of stock Dense layers under tensor
+parallelism, pipeline x tensor stages and ZeRO-3, and what is refused.
+
+A Megatron MLP of stock Dense layers (float, and `model.quantize("int8")`
+then LoRA) under data 2 x tensor 2, a GPT with LoRA on every projection
+under pipeline 2 x tensor 2, and the MLP under ZeRO-3 train like one
+device (AdamW, 4 steps, within 1e-5); the column layers' LoRA `b` and
+int8 scales are split with their outputs, the row layers' `a` with their
+inputs; saved weights are one device's Keras file. Quantizing a sharded
+model, other quantization modes, LoRA on a split embedding and
+`enable_lora` once pipeline stages are cut are ValueErrors.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import lora_common
+import tfpar
+import tp_common
+
+
+def _mlp(quantize):
+  model = tp_common.mlp()
+  if quantize:
+    model.quantize("int8")
+  for layer in model.layers:
+    layer.enable_lora(2)
+  lora_common.set_lora(model)
+  lora_common.compile_model(model)
+  return model
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["float", "int8"])
+def test_dense_mlp(quantize, tmp_path):
+  data = tp_common.data("mlp", count=32)
+  reference = _mlp(quantize)
+  initial = tfpar.logical_weights(reference)
+  lora_common.fit(reference, data)
+  strategy = lora_common.strategy({"data": 2, "tensor": 2})
+  with strategy.scope():
+    model = _mlp(quantize)
+  lora_common.fit(model, data)
+  worst = lora_common.assert_trains_like(model, reference, initial)
+  print(f"\nMEASURED MLP {'int8' if quantize else 'float'} 2x2: weights "
+        f"{worst:.1e}")
+  axes = {v.path: v.axis for layout in model._tfpar_layouts  # pylint: disable=protected-access
+          for v in layout.variables}
+  assert axes["mlp/pair1_in/lora_kernel_b"] == 1
+  assert axes["mlp/pair1_out/lora_kernel_a"] == 0
+  assert axes["mlp/pair1_in/lora_kernel_a"] is None
+  if quantize:  # Scales split with column kernels, whole with row ones.
+    assert axes["mlp/pair1_in/kernel_scale"] == 0
+    assert axes["mlp/pair1_out/kernel_scale"] is None
+  # Saved weights are one device's file: Keras's own format (LoRA merged
+  # into the kernel, an int8 kernel re-quantized with it).
+  model.save_weights(str(tmp_path / "tp.weights.h5"))
+  reference.save_weights(str(tmp_path / "one.weights.h5"))
+  loaded = []
+  for name in ("tp", "one"):
+    fresh = _mlp(quantize)
+    fresh.load_weights(str(tmp_path / f"{name}.weights.h5"))
+    loaded.append(tfpar.logical_weights(fresh))
+  for name, want in loaded[1].items():  # int8: one step apart at most.
+    np.testing.assert_allclose(loaded[0][name].astype("float64"), want,
+                               rtol=1e-5, atol=(
+        1 if want.dtype == np.int8 else 1e-6), err_msg=name)
+
+
+def test_gpt_lora_under_pipeline_stages():
+  def build():
+    model = tp_common.gpt(blocks=2)
+    for layer in _projections(model):
+      if layer.name != "lm_head":
+        layer.enable_lora(2)
+    lora_common.set_lora(model)
+    tp_common.compile_model(model)
+    return model
+  data = tp_common.data("gpt", count=32)
+  reference = build()
+  initial = tfpar.logical_weights(reference)
+  lora_common.fit(reference, data)
+  strategy = tfpar.PipelineParallelStrategy(
+      tfpar.Mesh({"pipeline": 2, "tensor": 2}), num_microbatches=2)
+  with strategy.scope():
+    model = build()
+  lora_common.fit(model, data)
+  worst = lora_common.assert_trains_like(model, reference, initial)
+  print(f"\nMEASURED GPT pipeline 2 x tensor 2: weights {worst:.1e}")
+  with pytest.raises(ValueError, match=(
+      r"Cannot enable LoRA on layer 'lm_head' .*rank=2.*pipeline stages")):
+    model.get_layer("lm_head").enable_lora(2)
+
+
+def _projections(model):
+  return [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+          if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)]
+
+
+def test_mlp_lora_under_zero_3():
+  data = tp_common.data("mlp", count=32)
+  reference = _mlp(False)
+  initial = tfpar.logical_weights(reference)
+  lora_common.fit(reference, data)
+  with lora_common.strategy({"data": 2, "tensor": 2}).scope():
+    model = _mlp(False)
+  model.fit(*data, batch_size=8, epochs=1, shuffle=False, verbose=0,
+            callbacks=[tfpar.ZeRO(stage=3)])
+  worst = lora_common.assert_trains_like(model, reference, initial)
+  print(f"\nMEASURED MLP ZeRO-3 2x2: weights {worst:.1e}")
+
+
+def test_refusals_name_the_setting():
+  strategy = lora_common.strategy({"data": 2, "tensor": 2})
+  with strategy.scope():
+    model = tp_common.mlp()
+  with pytest.raises(ValueError, match=(
+      r"Cannot quantize layer 'pair1_in' \(mode='int8'\) .*already sharded")):
+    model.quantize("int8")
+  inputs = keras.Input((4,), dtype="int32")
+  table = keras.layers.Embedding(64, 8, name="table")
+  outputs = keras.layers.Dense(64, name="head")(table(inputs))
+  plain = keras.Model(inputs, outputs)
+  table.enable_lora(2)
+  with pytest.raises(ValueError, match=(
+      r"Layer 'table' \(Embedding\) has LoRA enabled")):
+    tfpar.ShardingPlan().resolve(plain, 2)
+  with pytest.raises(ValueError, match=r"quantization_mode='int4'"):
+    with lora_common.strategy({"data": 2, "tensor": 2}).scope():
+      tp_common.mlp().quantize("int4")
