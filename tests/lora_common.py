@@ -90,3 +90,21 @@ def assert_trains_like(model, reference, initial, atol=1e-5):
   # AdamW's slots: two per trainable weight, none for the frozen kernels.
   assert len(model.optimizer.variables) == len(reference.optimizer.variables)
   return max(float(np.abs(got[p] - want[p]).max()) for p in lora)
+
+
+def report(case, model, reference, worst):
+  """Prints the largest LoRA difference and the bytes of trainable and
+  frozen variables on the fullest device against one device's; returns
+  {"trainable": (fullest, one), "frozen": (fullest, one)}."""
+  found = {}
+  for name, held, one in (
+      ("trainable", model.trainable_variables, reference.trainable_variables),
+      ("frozen", model.non_trainable_variables,
+       reference.non_trainable_variables)):
+    found[name] = (max(device_bytes(held).values()),
+                   one_device_bytes(one, lambda path: 1))
+  print(f"\nMEASURED {case}: LoRA weights {worst:.1e}; bytes on the fullest "
+        f"device / one device's: trainable {found['trainable'][0]} / "
+        f"{found['trainable'][1]}, frozen {found['frozen'][0]} / "
+        f"{found['frozen'][1]}")
+  return found

@@ -59,10 +59,8 @@ def test_gemma_lora_enabled_after_sharding(tmp_path):
     held = lora_common.device_bytes(variables)
     assert len(held) == 4
     assert set(held.values()) == {lora_common.one_device_bytes(one, split)}, name
-    print(f"\nMEASURED gemma 2x2 {name} bytes per device "
-          f"{max(held.values())} of one device's "
-          f"{lora_common.one_device_bytes(one, lambda p: 1)}")
-  print(f"MEASURED gemma 2x2 LoRA after sharding: weights {worst:.1e}")
+  lora_common.report("Gemma 2x2, LoRA after sharding", model, reference,
+                     worst)
 
   # keras-hub's LoRA files hold whole factors, read and written both ways.
   path = str(tmp_path / "tp.lora.h5")
@@ -130,10 +128,7 @@ def test_llama_int8_lora_at_tensor_4():
   # 2 key/value heads on 4 devices: their projections and LoRA whole.
   assert tuple(shards["transformer_layer_0/self_attention/value/"
                       "lora_kernel_a"].shape) == (32, 2, 4)
-  frozen = lora_common.device_bytes(model.non_trainable_variables)
-  one = lora_common.one_device_bytes(reference.non_trainable_variables, lambda p: 1)
-  print(f"\nMEASURED llama int8 1x4: weights {worst:.1e}, frozen bytes per "
-        f"device {max(frozen.values())} of one device's {one}")
+  lora_common.report("Llama int8 1x4", model, reference, worst)
 
 
 def test_gemma_lora_in_the_keras_guide_flow():

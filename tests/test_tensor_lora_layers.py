@@ -42,8 +42,10 @@ def test_dense_mlp(quantize, tmp_path):
     model = _mlp(quantize)
   lora_common.fit(model, data)
   worst = lora_common.assert_trains_like(model, reference, initial)
-  print(f"\nMEASURED MLP {'int8' if quantize else 'float'} 2x2: weights "
-        f"{worst:.1e}")
+  held = lora_common.report(f"MLP {'int8' if quantize else 'float'} 2x2",
+                            model, reference, worst)
+  if not quantize:  # Every frozen kernel is split: half on each device.
+    assert held["frozen"][0] * 2 == held["frozen"][1]
   axes = {v.path: v.axis for layout in model._tfpar_layouts  # pylint: disable=protected-access
           for v in layout.variables}
   assert axes["mlp/pair1_in/lora_kernel_b"] == 1
@@ -86,7 +88,7 @@ def test_gpt_lora_under_pipeline_stages():
     model = build()
   lora_common.fit(model, data)
   worst = lora_common.assert_trains_like(model, reference, initial)
-  print(f"\nMEASURED GPT pipeline 2 x tensor 2: weights {worst:.1e}")
+  lora_common.report("GPT pipeline 2 x tensor 2", model, reference, worst)
   with pytest.raises(ValueError, match=(
       r"Cannot enable LoRA on layer 'lm_head' .*rank=2.*pipeline stages")):
     model.get_layer("lm_head").enable_lora(2)
@@ -107,7 +109,7 @@ def test_mlp_lora_under_zero_3():
   model.fit(*data, batch_size=8, epochs=1, shuffle=False, verbose=0,
             callbacks=[tfpar.ZeRO(stage=3)])
   worst = lora_common.assert_trains_like(model, reference, initial)
-  print(f"\nMEASURED MLP ZeRO-3 2x2: weights {worst:.1e}")
+  lora_common.report("MLP ZeRO-3 2x2", model, reference, worst)
 
 
 def test_refusals_name_the_setting():
