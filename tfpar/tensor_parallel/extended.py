@@ -84,6 +84,7 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
     super().__init__(container_strategy, mesh, communication_options)
     self._plan = plan
     self._sequence_parallel = sequence_parallel
+    self.float32_sums = float32_sums
     self._groups = collectives.TensorGroups(
         self._local_groups, self._collective_keys,
         self._communication_options,
