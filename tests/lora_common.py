@@ -108,3 +108,19 @@ def report(case, model, reference, worst):
         f"{found['trainable'][1]}, frozen {found['frozen'][0]} / "
         f"{found['frozen'][1]}")
   return found
+
+
+def assert_saved_like(model, reference, build, tmp_path):
+  """`model.save_weights` writes one device's file: Keras's own format
+  (LoRA merged into the kernel; an int8 kernel re-quantized with it, one
+  step apart at most), loaded into `build()` on one device."""
+  loaded = []
+  for name, saving in (("tp", model), ("one", reference)):
+    saving.save_weights(str(tmp_path / f"{name}.weights.h5"))
+    fresh = build()
+    fresh.load_weights(str(tmp_path / f"{name}.weights.h5"))
+    loaded.append(tfpar.logical_weights(fresh))
+  for name, want in loaded[1].items():
+    np.testing.assert_allclose(
+        loaded[0][name].astype("float64"), want, rtol=1e-5,
+        atol=1 if want.dtype == np.int8 else 1e-6, err_msg=name)

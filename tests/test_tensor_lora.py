@@ -79,17 +79,11 @@ def test_gemma_lora_enabled_after_sharding(tmp_path):
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
   # Saved weights are one device's file (Keras merges LoRA into kernels).
-  model.save_weights(str(tmp_path / "tp.weights.h5"))
-  reference.save_weights(str(tmp_path / "one.weights.h5"))
-  loaded = []
-  for name in ("tp", "one"):
-    fresh = lora_common.causal_lm("gemma")
-    fresh.backbone.enable_lora(rank=4)
-    fresh.load_weights(str(tmp_path / f"{name}.weights.h5"))
-    loaded.append(tfpar.logical_weights(fresh))
-  for name in loaded[1]:
-    np.testing.assert_allclose(loaded[0][name], loaded[1][name], atol=1e-6,
-                               err_msg=name)
+  def fresh():
+    one = lora_common.causal_lm("gemma")
+    one.backbone.enable_lora(rank=4)
+    return one
+  lora_common.assert_saved_like(model, reference, fresh, tmp_path)
 
 
 def test_llama_int8_lora_at_tensor_4():

@@ -12,8 +12,8 @@ model, other quantization modes, LoRA on a split embedding and
 """
 
 import keras
-import numpy as np
 import pytest
+import tensorflow as tf
 
 import lora_common
 import tfpar
@@ -54,19 +54,8 @@ def test_dense_mlp(quantize, tmp_path):
   if quantize:  # Scales split with column kernels, whole with row ones.
     assert axes["mlp/pair1_in/kernel_scale"] == 0
     assert axes["mlp/pair1_out/kernel_scale"] is None
-  # Saved weights are one device's file: Keras's own format (LoRA merged
-  # into the kernel, an int8 kernel re-quantized with it).
-  model.save_weights(str(tmp_path / "tp.weights.h5"))
-  reference.save_weights(str(tmp_path / "one.weights.h5"))
-  loaded = []
-  for name in ("tp", "one"):
-    fresh = _mlp(quantize)
-    fresh.load_weights(str(tmp_path / f"{name}.weights.h5"))
-    loaded.append(tfpar.logical_weights(fresh))
-  for name, want in loaded[1].items():  # int8: one step apart at most.
-    np.testing.assert_allclose(loaded[0][name].astype("float64"), want,
-                               rtol=1e-5, atol=(
-        1 if want.dtype == np.int8 else 1e-6), err_msg=name)
+  lora_common.assert_saved_like(model, reference, lambda: _mlp(quantize),
+                                tmp_path)
 
 
 def test_gpt_lora_under_pipeline_stages():
@@ -99,7 +88,7 @@ def _projections(model):
           if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)]
 
 
-def test_mlp_lora_under_zero_3():
+def test_mlp_lora_under_zero_3(tmp_path):
   data = tp_common.data("mlp", count=32)
   reference = _mlp(False)
   initial = tfpar.logical_weights(reference)
@@ -110,6 +99,34 @@ def test_mlp_lora_under_zero_3():
             callbacks=[tfpar.ZeRO(stage=3)])
   worst = lora_common.assert_trains_like(model, reference, initial)
   lora_common.report("MLP ZeRO-3 2x2", model, reference, worst)
+  lora_common.assert_saved_like(model, reference, lambda: _mlp(False),
+                                tmp_path)
+
+
+def test_gpt_lora_with_sequence_parallelism():
+  """MultiHeadAttention and the MLP with LoRA, the norms and residuals on
+  sequence slices."""
+  def build():
+    model = tp_common.gpt(blocks=1)
+    for layer in _projections(model):
+      layer.enable_lora(2)
+    lora_common.set_lora(model)
+    tp_common.compile_model(model)
+    return model
+  data = tp_common.data("gpt", count=32)
+  reference = build()
+  initial = tfpar.logical_weights(reference)
+  lora_common.fit(reference, data)
+  devices = tf.config.list_logical_devices("CPU")
+  strategy = tfpar.TensorParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}, [d.name for d in devices]),
+      sequence_parallel=True)
+  with strategy.scope():
+    model = build()
+  lora_common.fit(model, data)
+  worst = lora_common.assert_trains_like(model, reference, initial)
+  lora_common.report("GPT 2x2, sequence parallel", model, reference,
+                     worst)
 
 
 def test_refusals_name_the_setting():

@@ -129,6 +129,13 @@ def _late_enable_lora(layer, model, strategy, tensor_size, groups, allowed):
     if shard_of is None:  # A replicated layer: its factors stay whole.
       return result
     weight = shard_of[0]
+    shapes = (tuple(layer.lora_kernel_a.shape), tuple(layer.lora_kernel_b.shape))
+    if shapes != (weight.shape[:-1] + (rank,), (rank, weight.shape[-1])):
+      raise RuntimeError(
+          f"Keras's enable_lora on layer {layer.name!r} made LoRA factors of "
+          f"shapes {shapes} for its whole kernel {weight.shape}; tfpar "
+          f"expects the kernel's leading axes plus {rank} and [{rank}, last "
+          f"axis] (keras {keras.__version__}; a Keras upgrade changed it).")
     variable_layouts = lora.lora_layouts(
         layer, weight.axis, weight.layout.style,
         f"{weight.layout.source}; LoRA enabled after sharding")
