@@ -171,3 +171,26 @@ def test_two_strategies_in_one_process(data):
 
 def _first_devices(count):
   return tfpar.Mesh().devices[:count]
+
+
+def test_a_built_model_draws_no_batch_to_build_from(monkeypatch):
+  # Keras draws a distributed batch before every fit, evaluate and predict
+  # only to build the model; the iterator it opened for it was dropped at
+  # once, which crashed TensorFlow under load (EpochIterator.reset).
+  # tfpar draws it only while something is left to build.
+  drawn = []
+  build_batch = tfpar.engine.MeshExtended.symbolic_build_batch
+  monkeypatch.setattr(tfpar.engine.MeshExtended, "symbolic_build_batch",
+                      lambda self, batch: drawn.append(1) or build_batch(
+                          self, batch))
+  strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}))
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+  x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+  model.fit(x, y, batch_size=4, verbose=0)
+  assert len(drawn) == 1  # The compiled loss and metrics were unbuilt.
+  model.evaluate(x, y, batch_size=4, verbose=0)
+  model.predict(x, batch_size=4, verbose=0)
+  model.fit(x, y, batch_size=4, verbose=0)
+  assert len(drawn) == 1

@@ -88,7 +88,12 @@ def install_symbolic_build_batch(batch_for):
   `tf.distribute` strategy fails there (`Value for attr 'T' of bool`).
   With this hook, a strategy whose `extended` has
   `symbolic_build_batch(batch)` gives the batch Keras builds from; other
-  strategies keep Keras's reduce.
+  strategies keep Keras's reduce. The batch is drawn only when Keras's
+  `_symbolic_build` needs one (a layer, the compiled loss or metrics not
+  built yet): Keras draws it before every `fit`, `evaluate` and `predict`,
+  and the distributed iterator it opens for it is dropped at once, which
+  crashed TensorFlow (a segmentation fault in `EpochIterator.reset`, seen
+  in 2 of 3 suite runs under load, in `evaluate` after `fit`).
 
   Args:
     batch_for: `batch_for(strategy)` returns the strategy's
@@ -110,6 +115,14 @@ def install_symbolic_build_batch(batch_for):
         f"(its `data_batch` argument, `{_SYMBOLIC_BUILD_REDUCE}...`), which "
         f"this Keras changed; update tfpar/_compat/keras_trainer.py.")
 
+  symbolic_build = require(TensorFlowTrainer, "_symbolic_build",
+                           "building a model before its first run")
+  if "iterator" not in inspect.signature(symbolic_build).parameters:
+    raise Incompatible(
+        "tfpar hands Keras's TensorFlowTrainer._symbolic_build an iterator "
+        "it draws from only when it builds; this Keras's takes no "
+        "`iterator`; update tfpar/_compat/keras_trainer.py.")
+
   @functools.wraps(original)
   def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     strategy = require(self, "_distribute_strategy",
@@ -117,9 +130,14 @@ def install_symbolic_build_batch(batch_for):
     convert = batch_for(strategy) if strategy is not None else None
     if convert is None or iterator is None:
       return original(self, iterator=iterator, data_batch=data_batch)
-    for _, _, batches in iterator:  # As Keras does: the first batch.
-      return original(self, iterator=None, data_batch=convert(next(batches)))
-    return original(self, iterator=iterator, data_batch=data_batch)
+
+    def first_batch():  # Drawn only if `_symbolic_build` iterates it.
+      for _, _, batches in iterator:
+        yield None, None, [convert(next(batches))]
+        return
+
+    with strategy.scope():
+      symbolic_build(self, iterator=first_batch())
 
   TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build  # pylint: disable=protected-access
   TensorFlowTrainer._tfpar_symbolic_build_batch = True  # pylint: disable=protected-access
