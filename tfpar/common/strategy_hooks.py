@@ -45,6 +45,13 @@ class StrategyHooks:
     built."""
     del model
 
+  def generate_function(self, model):
+    """The function keras-hub's `CausalLM.generate` runs for `model`
+    (`fn(inputs, stop_token_ids=None)`, `_compat/keras_hub_generate.py`),
+    or None: keras-hub's own."""
+    del model
+    return None
+
   def check_run(self, model):
     """Raises for a setting of `model` the strategy cannot run (`fit`,
     `evaluate` and `predict` call it first)."""

@@ -23,6 +23,9 @@ replica runs:
   the first device of each group, and cross-replica reads of metric
   variables count each data replica once.
 
+keras-hub's `CausalLM.generate` runs its model's `call_with_cache` once per
+device, the key/value cache split by heads (`spmd/generation.py`).
+
 Models register themselves when created in the strategy's scope (Keras's
 TensorFlow trainer records the current strategy then); each is sharded once
 it is built, before it first runs, is distributed data, or its optimizer
@@ -40,6 +43,7 @@ from tfpar.tensor_parallel import plan as plan_lib
 from tfpar.tensor_parallel.spmd import adapters
 from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
+from tfpar.tensor_parallel.spmd import generation
 from tfpar.tensor_parallel.spmd import layers as layers_lib
 from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
@@ -199,6 +203,11 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
     clipping by whole weights, sums over the tensor group)."""
     optimizer_lib.adopt(optimizer, model, self._groups,
                         self._memo.partial_weights)
+
+  def generate_function(self, model):
+    """keras-hub's `generate` with `call_with_cache` run per device, the
+    key/value cache split by heads (`spmd/generation.py`)."""
+    return generation.generate_function(self, model, self._sequence_parallel)
 
   def _clear_memos(self):
     self._memo.clear()

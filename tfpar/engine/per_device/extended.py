@@ -12,14 +12,21 @@ What it gathers, each in its own module:
 * `zero_hooks.ZeroHooks`: what `tfpar.ZeRO` asks of such a strategy (the
   devices of a column, sums over a column);
 * `reductions.PerDeviceReductions`: gradients all-reduced over the data
-  replicas within each device column.
+  replicas within each device column;
+* keras-hub's `CausalLM.generate`, whose split layers cannot run outside
+  the replicas: `register_model` hooks it (`_compat/keras_hub_generate.py`)
+  and `generate_function` refuses it here; tensor parallelism runs it per
+  device (`tensor_parallel/spmd/generation.py`).
 
 A subclass sets `self._groups` (`collectives.TensorGroups`) and
 `self._first_replica` in its `__init__`, and gives `tensor_size`,
 `partial_weights` and `_clear_memos`.
 """
 
+from tfpar._compat import keras_hub_generate
+from tfpar._compat import keras_trainer
 from tfpar._compat import spmd_run
+from tfpar.common import strategy_hooks
 from tfpar.engine import extended as engine_extended
 from tfpar.engine.per_device import reductions
 from tfpar.engine.per_device import runs
@@ -33,3 +40,23 @@ class PerDeviceExtended(runs.PerDeviceRuns,
                         engine_extended.MeshExtended):
   """A `MeshExtended` whose replicas run once per device of their tensor
   group (arguments as `MeshExtended`'s)."""
+
+  def register_model(self, model):
+    super().register_model(model)
+    if keras_hub_generate.is_causal_lm(model):
+      keras_hub_generate.install(_generate_function_of)
+
+  def generate_function(self, model):
+    raise ValueError(
+        f"generate() of {type(model).__name__} {model.name!r} is not "
+        f"supported under {type(self._container_strategy()).__name__} with "
+        f"a tensor axis: its split layers compute only inside the "
+        f"strategy's replicas. Generate under tfpar.TensorParallelStrategy "
+        f"(data x tensor) or ExpertParallelStrategy on a data x tensor "
+        f"mesh, or with the model's weights saved and loaded on one device.")
+
+
+def _generate_function_of(model):
+  """The generate function of `model`'s strategy (None: keras-hub's)."""
+  return strategy_hooks.of(keras_trainer.model_strategy(model)
+                           ).generate_function(model)

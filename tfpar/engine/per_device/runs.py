@@ -59,6 +59,16 @@ class PerDeviceRuns:
   check_run = staticmethod(checks.check_run)
 
   def _call_for_each_replica(self, fn, args, kwargs):
+    return self._collapse(self.run_per_device(fn, args, kwargs))
+
+  def run_per_device(self, fn, args=(), kwargs=None):
+    """`fn` traced once per device of every local tensor group (inside a
+    `tf.function`), its results left per device: `PerReplica` values of one
+    component per device, replica-major (`strategy.run` keeps each group's
+    first device's). A distributed argument with one component per replica
+    goes to every device of the replica's group, one per device to its
+    device; other values to every device.
+    """
     self.prepare_pending_models()
     if tf.executing_eagerly():
       raise ValueError(
@@ -78,4 +88,4 @@ class PerDeviceRuns:
       self._clear_memos()
     watchdog.touch()
     self.check_models_prepared()
-    return self._collapse(result)
+    return result

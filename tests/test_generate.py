@@ -1,0 +1,246 @@
+"""keras-hub's `CausalLM.generate` under tfpar's strategies gives one
+device's tokens; under tensor parallelism each device's key/value cache
+holds only its heads.
+
+Models: GPT2CausalLM (4 heads), LlamaCausalLM (4 query heads, 2 key/value
+heads) and MixtralCausalLM from small configs, random init with one seed,
+prompts of 4 tokens padded to 12. Greedy and seeded top-k samplers.
+
+Cache bytes are counted by a hook on the model class's own
+`call_with_cache`, which every device's trace calls: the shape, dtype and
+device of each cache it returns. That the whole cache keras-hub's
+`_build_cache` makes is never computed is read from the traced function's
+graph: nothing consumes it (TensorFlow prunes a stateless op no output
+needs from the function it runs).
+"""
+
+import collections
+import contextlib
+import functools
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hub_common
+import tfpar
+
+VOCAB, PROMPT, LENGTH, BATCH = 64, 4, 12, 4
+_DECODER = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=32,
+                intermediate_dim=64)
+
+
+def _gpt2(preprocessor=None):
+  vocabulary = (preprocessor.tokenizer.vocabulary_size() if preprocessor
+                else VOCAB)
+  backbone = keras_hub.models.GPT2Backbone(
+      **dict(_DECODER, vocabulary_size=vocabulary), num_heads=4,
+      max_sequence_length=16, dropout=0.0)
+  return keras_hub.models.GPT2CausalLM(backbone, preprocessor)
+
+
+def _llama():
+  return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
+      **_DECODER, num_query_heads=4, num_key_value_heads=2), None)
+
+
+def _mixtral():
+  return keras_hub.models.MixtralCausalLM(keras_hub.models.MixtralBackbone(
+      **_DECODER, num_query_heads=4, num_key_value_heads=2, num_experts=4,
+      top_k=2, router_jitter_noise=0.0), None)
+
+
+SAMPLERS = {"greedy": lambda: "greedy",
+            "top_k": lambda: keras_hub.samplers.TopKSampler(k=5, seed=7)}
+
+
+def _prompts():
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, VOCAB, size=(BATCH, LENGTH)).astype("int32")
+  mask = np.zeros((BATCH, LENGTH), bool)
+  mask[:, :PROMPT] = True
+  return {"token_ids": ids * mask, "padding_mask": mask}
+
+
+def _model(build, sampler, strategy=None):
+  keras.utils.set_random_seed(3)
+  with strategy.scope() if strategy else contextlib.nullcontext():
+    model = build()
+    model.compile(sampler=SAMPLERS[sampler]())
+  return model
+
+
+def _generate(model, inputs=None, **kwargs):
+  kwargs.setdefault("stop_token_ids", None)
+  return model.generate(_prompts() if inputs is None else inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def _caches(model_class):
+  """Records (device, shape, bytes) of every cache `model_class`'s
+  `call_with_cache` returns, and the graph of its first call."""
+  original = model_class.call_with_cache
+  seen = {"caches": [], "graph": None}
+
+  @functools.wraps(original)
+  def call_with_cache(self, *args, **kwargs):
+    result = original(self, *args, **kwargs)
+    cache = result[-1]
+    seen["caches"].append((tf.DeviceSpec.from_string(cache.device).to_string(),
+                           tuple(cache.shape),
+                           int(np.prod(cache.shape)) * cache.dtype.size))
+    if seen["graph"] is None:
+      seen["graph"] = tf.compat.v1.get_default_graph()
+    return result
+
+  model_class.call_with_cache = call_with_cache
+  try:
+    yield seen
+  finally:
+    model_class.call_with_cache = original
+
+
+def _bytes_per_device(seen):
+  found = collections.defaultdict(int)
+  for device, _, nbytes in seen["caches"]:
+    found[device] = max(found[device], nbytes)
+  return dict(found)
+
+
+def _whole_cache_uses(graph, shape):
+  """(tensors of `graph` of the whole cache's `shape`, ops reading them)."""
+  whole = [output for op in graph.get_operations() for output in op.outputs
+           if tuple(output.shape) == shape]
+  return whole, [c.name for output in whole for c in output.consumers()]
+
+
+def _check_split_cache(model_class, seen, reference, devices, share):
+  """Each of `devices` carried `share` of one device's cache, and the
+  whole cache was never used."""
+  (_, whole_shape, whole_bytes), = set(reference["caches"])
+  held = _bytes_per_device(seen)
+  assert sorted(held) == sorted(devices), held
+  assert all(b == whole_bytes * share for b in held.values()), (
+      model_class.__name__, held, whole_bytes)
+  # keras-hub's zeros of the whole cache are traced, and nothing reads them.
+  whole, readers = _whole_cache_uses(seen["graph"], whole_shape)
+  assert whole and not readers, (whole, readers)
+  return held, whole_bytes
+
+
+def _devices(count):
+  return [tf.DeviceSpec.from_string(d).to_string()
+          for d in tfpar.Mesh().devices[:count]]
+
+
+def test_gpt2_tokens_and_cache_under_data2_tensor2():
+  strategy = tfpar.TensorParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}))
+  for sampler in ("greedy", "top_k"):
+    single = _model(_gpt2, sampler)
+    with _caches(keras_hub.models.GPT2CausalLM) as reference:
+      expected = _generate(single)
+    model = _model(_gpt2, sampler, strategy)
+    with _caches(keras_hub.models.GPT2CausalLM) as seen:
+      got = _generate(model)
+    np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
+    np.testing.assert_array_equal(got["padding_mask"],
+                                  expected["padding_mask"])
+    # Again (the same function): the sampler's seed moved on alike.
+    np.testing.assert_array_equal(_generate(model)["token_ids"],
+                                  _generate(single)["token_ids"])
+    # The sampler ran once per token, as on one device.
+    for ours, theirs in zip(model.sampler.variables,
+                            single.sampler.variables):
+      np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+    # 4 heads over 2 devices: each of the 4 devices holds 2 heads' cache.
+    _check_split_cache(keras_hub.models.GPT2CausalLM, seen, reference,
+                       _devices(4), 1 / 2)
+  assert not (expected["token_ids"][:, PROMPT:] == 0).all()
+
+
+def test_llama_shared_key_value_heads_under_tensor4():
+  """2 key/value heads over 4 devices: each pair of devices shares one,
+  so each device's cache is half of one device's."""
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 1, "tensor": 4}))
+  with _caches(keras_hub.models.LlamaCausalLM) as reference:
+    expected = _generate(_model(_llama, "top_k"))
+  with _caches(keras_hub.models.LlamaCausalLM) as seen:
+    got = _generate(_model(_llama, "top_k", strategy))
+  np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
+  _check_split_cache(keras_hub.models.LlamaCausalLM, seen, reference,
+                     _devices(4), 1 / 2)
+
+
+def _preprocessor():
+  # GPT-2's byte-level alphabet writes a space as "\u0120".
+  letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+  tokens = ["<|endoftext|>", "\u0120"] + letters + ["th", "\u0120t"]
+  tokenizer = keras_hub.models.GPT2Tokenizer(
+      vocabulary={t: i for i, t in enumerate(tokens)},
+      merges=["t h", "\u0120 t"])
+  return keras_hub.models.GPT2CausalLMPreprocessor(tokenizer,
+                                                   sequence_length=LENGTH)
+
+
+def test_string_prompts_through_the_preprocessor():
+  prompts = ["the cat", "a fish swims", "birds", "red boats"]
+  strategy = tfpar.TensorParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}))
+  build = lambda: _gpt2(_preprocessor())
+  expected = _model(build, "top_k").generate(prompts, max_length=LENGTH)
+  got = _model(build, "top_k", strategy).generate(prompts, max_length=LENGTH)
+  assert got == expected
+  # Stopped by the tokenizer's end token ("auto"), or at max_length.
+  assert sum(len(e) > len(p) for e, p in zip(expected, prompts)) >= 3, expected
+
+
+STRATEGIES = {
+    "data2": lambda: tfpar.DataParallelStrategy(
+        tfpar.Mesh({"data": 2}, devices=tfpar.Mesh().devices[:2])),
+    "data4_zero3": lambda: tfpar.DataParallelStrategy(
+        zero=tfpar.ZeRO(stage=3)),
+    "data2_pipeline2": lambda: tfpar.PipelineParallelStrategy(
+        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(STRATEGIES))
+def test_generate_under_strategies_without_a_tensor_axis(layout):
+  single = _model(_gpt2, "top_k")
+  expected = _generate(single)
+  model = _model(_gpt2, "top_k", STRATEGIES[layout]())
+  got = _generate(model)
+  np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
+  if layout == "data4_zero3":  # Generated from 1/4 of the weights each.
+    held = hub_common.bytes_by_device(model)
+    total = sum(hub_common.bytes_by_device(single).values())
+    assert len(held) == 4 and max(held.values()) < 0.3 * total, held
+
+
+def test_mixtral_under_expert_x_tensor():
+  strategy = tfpar.ExpertParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}), expert=2)
+  expected = _generate(_model(_mixtral, "top_k"))
+  got = _generate(_model(_mixtral, "top_k", strategy))
+  np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
+
+
+def test_what_generate_refuses():
+  mesh = tfpar.Mesh({"data": 2, "tensor": 2})
+  model = _model(_gpt2, "greedy", tfpar.TensorParallelStrategy(
+      mesh, sequence_parallel=True))
+  with pytest.raises(ValueError, match=r"sequence_parallel=True"):
+    _generate(model)
+  model = _model(_gpt2, "greedy", tfpar.TensorParallelStrategy(mesh))
+  model.compile(sampler="greedy", run_eagerly=True)
+  with pytest.raises(ValueError, match=r"run_eagerly=True"):
+    _generate(model)
+  # Pipeline stages with a tensor axis (3D): refused by name.
+  three_d = tfpar.PipelineParallelStrategy(
+      tfpar.Mesh({"data": 1, "pipeline": 2, "tensor": 2}), num_microbatches=2)
+  with pytest.raises(ValueError, match=r"generate\(\) of GPT2CausalLM .* "
+                     r"not supported under PipelineParallelStrategy"):
+    three_d.extended.generate_function(_model(_gpt2, "greedy"))
