@@ -214,13 +214,15 @@ def _install_heads(layer_layout, memo):
           f"key projection's output with its rotary embedding layer, which "
           f"Tensor parallelism relies on to sum a key head "
           f"shared by {sharers} devices as one device does.")
+    # With a `cache` (generate, `spmd/generation.py`): (output, the
+    # device's heads' cache).
     if isinstance(result, (tuple, list)) and not (
         kwargs.get("cache") is not None and len(result) == 2):
       raise ValueError(
           f"Layer {layer.name!r} ({type(layer).__name__}) returned "
-          f"{len(result)} values (a key/value cache or attention scores); "
-          f"Tensor parallelism computes the attention output "
-          f"only (training, evaluation, prediction without a cache).")
+          f"{len(result)} values (attention scores?); tensor parallelism "
+          f"computes the attention output, and with a `cache` argument "
+          f"(generate) the output and the device's heads' cache, only.")
     return result
   _set_call(layer, call)
 
