@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import lora_common
 import tfpar
+import variable_accounting
 from tfpar.common import whole_weights
 
 
@@ -96,12 +97,18 @@ def test_llama_int8_lora_at_tensor_4():
   lora_common.fit(reference, lora_common.hub_data())
 
   strategy = lora_common.strategy({"data": 1, "tensor": 4})
-  with strategy.scope():  # Quantized and LoRA'd before it is sharded.
-    model = lora_common.causal_lm("llama")
-    model.quantize("int8")
+  accounting = variable_accounting.VariableAccounting()
+  with accounting.counting(), strategy.scope():
+    model = lora_common.causal_lm("llama")  # Created spread.
+    built = max(accounting.now().values())
+    model.quantize("int8")  # Its int8 kernels too: no device holds them all.
     model.backbone.enable_lora(rank=4)
     lora_common.set_lora(model)
     lora_common.compile_model(model)
+  int8 = lora_common.one_device_bytes(reference.non_trainable_variables,
+                                      lambda path: 1)
+  assert max(accounting.peak.values()) <= built + int8 // 4, (
+      accounting.peak, built, int8)
   lora_common.fit(model, lora_common.hub_data())
   worst = lora_common.assert_trains_like(model, reference, initial)
   shards = {v.path: v for v in whole_weights.held(model)}

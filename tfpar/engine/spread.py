@@ -3,7 +3,8 @@
 A strategy that splits weights (tensor parallelism, ZeRO stage 3) learns a
 weight's final layout only once its model is built (the built-in tensor
 plan traces the model to find MLP pairs). Until then, each trainable weight
-created in its scope is a `SpreadVariable`: the initial value is drawn once,
+(and each int8 kernel `model.quantize("int8")` makes) created in its scope
+is a `SpreadVariable`: the initial value is drawn once,
 exactly as on one device, flattened, zero-padded and cut into K equal
 slices, slice k stored on the k-th device that will own the weight. No
 device holds more than 1/K of any weight. When the model is prepared, the
@@ -43,13 +44,16 @@ def creating_in_place():
 
 def should_spread(kwargs):
   """Whether a `tf.Variable(**kwargs)` in a spreading strategy's scope is a
-  model weight to create spread: trainable, synchronized on write, not
-  placed by its caller and not created while moving weights."""
+  model weight to create spread: trainable or int8 (a kernel or table
+  `quantize("int8")` made, frozen), synchronized on write, not placed by
+  its caller and not created while moving weights."""
   if getattr(_disabled, "on", False):
     return False
   if kwargs.get("colocate_with") is not None:
     return False
-  if not kwargs.get("trainable", True):
+  dtype = kwargs.get("dtype")
+  int8 = dtype is not None and tf.as_dtype(dtype) == tf.int8
+  if not kwargs.get("trainable", True) and not int8:
     return False
   synchronization = kwargs.get("synchronization")
   return synchronization in (None, tf.VariableSynchronization.AUTO,
