@@ -17,6 +17,7 @@ needs from the function it runs).
 import collections
 import contextlib
 import functools
+import warnings
 
 import keras
 import keras_hub
@@ -172,6 +173,26 @@ def test_llama_shared_key_value_heads_under_tensor4():
   np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
   _check_split_cache(keras_hub.models.LlamaCausalLM, seen, reference,
                      _devices(4), 1 / 2)
+
+
+def test_llama_under_keras_distribution_layouts():
+  """Keras's guide flow: keras-hub's layout map, set_distribution, no
+  scope. keras-hub's generate lays its inputs out over the batch axis,
+  which tfpar leaves to the strategy without a warning."""
+  expected = _generate(_model(_llama, "top_k"))
+  mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
+  distribution = keras.distribution.ModelParallel(
+      layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
+      batch_dim_name="batch")
+  with pytest.warns(UserWarning, match="kept whole over the batch axis"):
+    keras.distribution.set_distribution(distribution)
+  try:
+    with warnings.catch_warnings():
+      warnings.filterwarnings("error", message="keras.distribution")
+      got = _generate(_model(_llama, "top_k"))
+  finally:
+    keras.distribution.set_distribution(None)
+  np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
 
 
 def _preprocessor():

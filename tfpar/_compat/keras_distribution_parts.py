@@ -40,10 +40,25 @@ def replace_set_distribution(function):
   keras.distribution.set_distribution = function
 
 
+def _is_layout_map_entry(layout):
+  """Whether `layout` is an entry of the set `ModelParallel`'s layout map
+  (what Keras relays a layer's output with), not a layout Keras made for a
+  batch (`get_data_layout`: keras-hub's `generate` lays out its inputs so)."""
+  current = require(distribution_lib, "distribution",
+                    "the distribution keras.distribution set")()
+  if not isinstance(current, keras.distribution.ModelParallel):
+    return False
+  return any(entry is layout for entry in layout_map(current).values())
+
+
 def _distribute_tensor(tensor, layout):
   """Keras's relayout of a layer's output, on TensorFlow: tfpar's strategy
   lays out activations itself; the value is the same. (Python shows the
-  warning once per layout.)"""
+  warning once per layout.) A batch laid out over the data axis (the
+  inputs of keras-hub's `generate`) is left as it is silently: tfpar's
+  strategy runs its `generate` itself."""
+  if not _is_layout_map_entry(layout):
+    return tensor
   warnings.warn(
       f"keras.distribution: a LayoutMap entry lays out a layer's output "
       f"(TensorLayout axes={tuple(layout.axes)}); on TensorFlow tfpar's "
