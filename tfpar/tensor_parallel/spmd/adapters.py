@@ -120,15 +120,15 @@ def _late_enable_lora(layer, model, strategy, tensor_size, groups, allowed):
           f"once. Call enable_lora before the model is prepared: inside "
           f"strategy.scope() where it is built, before the scope closes "
           f"and before the first fit / predict.")
-    kernel = keras_layers.dense_kernel(layer)
-    shard_of = getattr(kernel, "_tfpar_shard_of", None)
+    kernel = keras_layers.dense_kernel(layer)  # Whole if in view already.
+    weight = kernel if isinstance(kernel, weights_lib.SpmdWeight) else (
+        getattr(kernel, "_tfpar_shard_of", (None,))[0])
     # Created whole on every device (the kernel seen whole: its shape).
     with strategy.scope(), spread.creating_in_place(), (
         weights_lib.whole_attributes([layer])):
       result = original(rank, *args, **kwargs)
-    if shard_of is None:  # A replicated layer: its factors stay whole.
+    if weight is None:  # A replicated layer: its factors stay whole.
       return result
-    weight = shard_of[0]
     shapes = (tuple(layer.lora_kernel_a.shape), tuple(layer.lora_kernel_b.shape))
     if shapes != (weight.shape[:-1] + (rank,), (rank, weight.shape[-1])):
       raise RuntimeError(
