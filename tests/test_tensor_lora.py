@@ -59,7 +59,8 @@ def test_gemma_lora_enabled_after_sharding(tmp_path):
        reference.non_trainable_variables)):
     held = lora_common.device_bytes(variables)
     assert len(held) == 4
-    assert set(held.values()) == {lora_common.one_device_bytes(one, split)}, name
+    expected = lora_common.one_device_bytes(one, split)
+    assert set(held.values()) == {expected}, name
   lora_common.report("Gemma 2x2, LoRA after sharding", model, reference,
                      worst)
 

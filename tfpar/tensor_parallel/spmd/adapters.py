@@ -129,7 +129,8 @@ def _late_enable_lora(layer, model, strategy, tensor_size, groups, allowed):
       result = original(rank, *args, **kwargs)
     if weight is None:  # A replicated layer: its factors stay whole.
       return result
-    shapes = (tuple(layer.lora_kernel_a.shape), tuple(layer.lora_kernel_b.shape))
+    shapes = (tuple(layer.lora_kernel_a.shape),
+              tuple(layer.lora_kernel_b.shape))
     if shapes != (weight.shape[:-1] + (rank,), (rank, weight.shape[-1])):
       raise RuntimeError(
           f"Keras's enable_lora on layer {layer.name!r} made LoRA factors of "
