@@ -47,13 +47,19 @@ class PerDeviceExtended(runs.PerDeviceRuns,
       keras_hub_generate.install(_generate_function_of)
 
   def generate_function(self, model):
+    """Refused (pipeline stages with a tensor axis): keras-hub's
+    `call_with_cache` calls the layers of every stage directly, so one
+    trace per device would compute all stages on the first stage's
+    devices, reading the other stages' weights across devices at every
+    token."""
     raise ValueError(
         f"generate() of {type(model).__name__} {model.name!r} is not "
         f"supported under {type(self._container_strategy()).__name__} with "
-        f"a tensor axis: its split layers compute only inside the "
-        f"strategy's replicas. Generate under tfpar.TensorParallelStrategy "
-        f"(data x tensor) or ExpertParallelStrategy on a data x tensor "
-        f"mesh, or with the model's weights saved and loaded on one device.")
+        f"a tensor axis (pipeline stages of tensor groups): keras-hub's "
+        f"generate calls every stage's layers directly, outside the "
+        f"pipeline's schedule. Save its weights (save_weights) and load "
+        f"them into the same model built under tfpar.TensorParallelStrategy "
+        f"(data x tensor) to generate.")
 
 
 def _generate_function_of(model):
