@@ -25,6 +25,7 @@ Modules:
   keras_distribution_parts: a ModelParallel's layout map.
   keras_hub_names: keras-hub's private attribute names tfpar reads.
   keras_hub_blocks: keras-hub blocks' attention masks (sequence slices).
+  keras_hub_generate: keras-hub's CausalLM.generate handed to the strategy.
 """
 
 from tfpar._compat.checks import Incompatible
