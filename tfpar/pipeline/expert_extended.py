@@ -55,8 +55,10 @@ class ExpertPipelineExtended(expert_extended.ExpertSplitting,
                  "experts would stay replicated")
 
   def is_prepared(self, model):
-    return (super().is_prepared(model) and
-            getattr(model, "_tfpar_experts_split", False))
+    # A model inside another (a task model's backbone) is prepared with it.
+    return super().is_prepared(model) and (
+        getattr(model, "_tfpar_experts_split", False) or
+        self._outer_model(model) is not None)
 
   def laid_out_elsewhere(self, model):
     """The expert weights of `model`'s MoE blocks, checked to fit the

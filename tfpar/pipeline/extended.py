@@ -12,6 +12,7 @@ among the s-th devices of the replicas.
 """
 
 from tfpar import batches
+from tfpar._compat import keras_layers
 from tfpar.common import clipping
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
@@ -80,11 +81,27 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     finally:
       self._cutting = False
 
+  def _outer_model(self, model):
+    """The built model created in scope that holds `model` as a layer (a
+    keras-hub task model's backbone) or as its graph (a Sequential's
+    Functional one, which Keras creates in scope too), or None."""
+    for outer in self.registered_models():
+      if outer is not model and outer.built and (
+          keras_layers.functional_graph(outer) is model or any(
+              layer is model for layer in keras_layers.flatten_layers(
+                  outer, include_self=False))):
+        return outer
+    return None
+
   def prepare_model(self, model):
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
       self.prepare_optimizer(optimizer, model)
     if not model.built or self.is_prepared(model):
+      return
+    if self._outer_model(model) is not None:
+      # Cut as part of the model that calls it (its layers are inlined
+      # there, `stages.plan_stages`), not as a pipeline of its own.
       return
     steps_lib.check_model(model)
     optimizer = getattr(model, "optimizer", None)
@@ -160,7 +177,10 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
   preparation = "cut it into pipeline stages"
 
   def is_prepared(self, model):
-    return getattr(model, "_tfpar_stage_plan", None) is not None
+    if getattr(model, "_tfpar_stage_plan", None) is not None:
+      return True
+    outer = self._outer_model(model)
+    return outer is not None and self.is_prepared(outer)
 
   def check_batch_size(self, batch_size, what="batch_size"):
     """Raises unless `batch_size` splits into micro-batches per replica."""
