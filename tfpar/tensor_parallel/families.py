@@ -3,8 +3,8 @@
 Each entry names a Keras or keras-hub attention class, the attributes that
 hold its query, key, value and output projections, and the attributes that
 hold its head counts. Splitting by heads runs the layer's own `call` once
-per device with the local head counts (`replay.py`), so the entry is all
-tfpar needs to know of the family. Attribute names are checked when a
+per device with the local head counts (`spmd/layers._install_heads`), so
+the entry is all tfpar needs to know of the family. Attribute names are checked when a
 model is sharded: if an upgrade of keras-hub renamed one, sharding stops
 with an error naming it, instead of silently replicating the layer.
 
