@@ -206,13 +206,24 @@ def _preprocessor():
                                                    sequence_length=LENGTH)
 
 
-def test_string_prompts_through_the_preprocessor():
+def _fit_then_generate(prompts, strategy=None):
+  """keras-hub's flow: fit on strings through the preprocessor, then
+  generate from string prompts."""
+  texts = ["the cat sat on a mat", "birds fly over green trees",
+           "fish swim in deep blue sea", "old red boats"] * 2
+  model = _model(lambda: _gpt2(_preprocessor()), "top_k", strategy)
+  with strategy.scope() if strategy else contextlib.nullcontext():
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  sampler=SAMPLERS["top_k"]())
+  model.fit(texts, batch_size=4, epochs=1, verbose=0, shuffle=False)
+  return model.generate(prompts, max_length=LENGTH)
+
+
+def test_string_prompts_through_the_preprocessor_after_fit():
   prompts = ["the cat", "a fish swims", "birds", "red boats"]
-  strategy = tfpar.TensorParallelStrategy(
-      tfpar.Mesh({"data": 2, "tensor": 2}))
-  build = lambda: _gpt2(_preprocessor())
-  expected = _model(build, "top_k").generate(prompts, max_length=LENGTH)
-  got = _model(build, "top_k", strategy).generate(prompts, max_length=LENGTH)
+  expected = _fit_then_generate(prompts)
+  got = _fit_then_generate(prompts, tfpar.TensorParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2})))
   assert got == expected
   # Stopped by the tokenizer's end token ("auto"), or at max_length.
   assert sum(len(e) > len(p) for e, p in zip(expected, prompts)) >= 3, expected

@@ -195,9 +195,9 @@ def check_generate(model, sequence_parallel):
         f"generate() under TensorParallelStrategy(sequence_parallel=True) "
         f"is not supported: each step computes one new token, which has no "
         f"sequence to slice over the tensor axis. Received: "
-        f"sequence_parallel=True for model {model.name!r}; generate under a "
-        f"strategy made with sequence_parallel=False (the same mesh and "
-        f"weights).")
+        f"sequence_parallel=True for model {model.name!r}; save its weights "
+        f"and load them into the model built under a strategy made with "
+        f"sequence_parallel=False (the same mesh) to generate.")
 
 
 def generate_function(extended, model, sequence_parallel=False):
