@@ -26,6 +26,7 @@ import pytest
 import tensorflow as tf
 
 import hub_common
+import suite_scope
 import tfpar
 
 VOCAB, PROMPT, LENGTH, BATCH = 64, 4, 12, 4
@@ -42,15 +43,16 @@ def _gpt2(preprocessor=None):
   return keras_hub.models.GPT2CausalLM(backbone, preprocessor)
 
 
-def _llama():
-  return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
-      **_DECODER, num_query_heads=4, num_key_value_heads=2), None)
+def _causal_lm(name, **config):
+  """`keras_hub.models.<name>CausalLM` on its backbone, no preprocessor."""
+  backbone = getattr(keras_hub.models, f"{name}Backbone")(**_DECODER, **config)
+  return getattr(keras_hub.models, f"{name}CausalLM")(backbone, None)
 
 
-def _mixtral():
-  return keras_hub.models.MixtralCausalLM(keras_hub.models.MixtralBackbone(
-      **_DECODER, num_query_heads=4, num_key_value_heads=2, num_experts=4,
-      top_k=2, router_jitter_noise=0.0), None)
+_GQA = dict(num_query_heads=4, num_key_value_heads=2)
+_llama = lambda: _causal_lm("Llama", **_GQA)
+_mixtral = lambda: _causal_lm("Mixtral", **_GQA, num_experts=4, top_k=2,
+                              router_jitter_noise=0.0)
 
 
 SAMPLERS = {"greedy": lambda: "greedy",
@@ -192,6 +194,28 @@ def test_llama_under_keras_distribution_layouts():
       got = _generate(_model(_llama, "top_k"))
   finally:
     keras.distribution.set_distribution(None)
+  np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
+
+
+# The other families tfpar splits by heads (TFPAR_TEST_FULL=1): each gave
+# one device's tokens when measured (docs/tensor_parallel_spmd.md).
+# Gemma has one key/value head (multi-query attention).
+OTHER_FAMILIES = suite_scope.cases([], [
+    ("Gemma", dict(num_query_heads=4, num_key_value_heads=1, head_dim=8),
+     (2, 2)),
+    ("Gemma", dict(num_query_heads=4, num_key_value_heads=1, head_dim=8),
+     (1, 4)),
+    ("Mistral", _GQA, (2, 2)), ("Qwen", _GQA, (2, 2))])
+
+
+@pytest.mark.parametrize("family, config, mesh", OTHER_FAMILIES, ids=[
+    f"{f}-{m[0]}x{m[1]}" for f, _, m in OTHER_FAMILIES])
+def test_other_families(family, config, mesh):
+  build = lambda: _causal_lm(family, **config)
+  mesh = {"data": mesh[0], "tensor": mesh[1]}
+  expected = _generate(_model(build, "top_k"))
+  got = _generate(_model(build, "top_k", tfpar.TensorParallelStrategy(
+      tfpar.Mesh(mesh))))
   np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
 
 
