@@ -299,4 +299,4 @@ def test_what_generate_refuses():
       tfpar.Mesh({"data": 1, "pipeline": 2, "tensor": 2}), num_microbatches=2)
   with pytest.raises(ValueError, match=r"generate\(\) of GPT2CausalLM .* "
                      r"not supported under PipelineParallelStrategy"):
-    three_d.extended.generate_function(_model(_gpt2, "greedy"))
+    _generate(_model(_gpt2, "greedy", three_d))
