@@ -12,6 +12,7 @@ model, other quantization modes, LoRA on a split embedding and
 """
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -147,3 +148,26 @@ def test_refusals_name_the_setting():
   with pytest.raises(ValueError, match=r"quantization_mode='int4'"):
     with lora_common.strategy({"data": 2, "tensor": 2}).scope():
       tp_common.mlp().quantize("int4")
+
+
+def test_describe_lists_factors_of_lora_enabled_after_a_fit():
+  # enable_lora after the model is sharded and trained: describe shows the
+  # factors as they are split (it listed them replicated).
+  strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 2,
+                                                      "tensor": 2}))
+  with strategy.scope():
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, name="up")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(8, name="down")(hidden))
+    model.compile(optimizer="sgd", loss="mse")
+  x = np.ones((8, 8), "float32")
+  model.fit(x, x, batch_size=8, verbose=0)
+  model.get_layer("up").enable_lora(2)
+  model.get_layer("down").enable_lora(2)
+  rows = {line.split()[0]: line for line in strategy.describe(
+      model, print_fn=None).splitlines() if "lora" in line.split()[0]}
+  assert "ColumnParallel axis 1  (2, 8)" in rows["up/lora_kernel_b"]
+  assert "RowParallel axis 0     (8, 2)" in rows["down/lora_kernel_a"]
+  assert "Replicate" in rows["up/lora_kernel_a"]
+  assert "Replicate" in rows["down/lora_kernel_b"]
+  model.fit(x, x, batch_size=8, verbose=0)  # Trains with them.

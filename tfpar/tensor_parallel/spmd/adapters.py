@@ -21,6 +21,7 @@ sharded model:
   taken per shard.
 """
 
+import dataclasses
 import keras
 
 from tfpar._compat import keras_layers
@@ -108,6 +109,28 @@ def _with_whole_attributes(backbone, name):
   object.__setattr__(backbone, name, method)
 
 
+def _record_layouts(strategy, kernel_path, variable_layouts):
+  """Adds the factors' `VariableLayout`s to the layout holding the kernel
+  at `kernel_path`, in every model of `strategy` that records it (what
+  `describe` and later sharding read)."""
+  replaced = {}
+  for model in strategy.extended.registered_models():
+    recorded = getattr(model, "_tfpar_layouts", None)
+    if not recorded:
+      continue
+    updated = []
+    for layout in recorded:
+      if any(v.path == kernel_path for v in layout.variables):
+        if id(layout) not in replaced:
+          replaced[id(layout)] = dataclasses.replace(
+              layout, variables=layout.variables + tuple(variable_layouts))
+          object.__setattr__(layout.layer, "_tfpar_layer_layout",
+                             replaced[id(layout)])
+        layout = replaced[id(layout)]
+      updated.append(layout)
+    object.__setattr__(model, "_tfpar_layouts", tuple(updated))
+
+
 def _late_enable_lora(layer, model, strategy, tensor_size, groups, allowed):
   original = layer.enable_lora
 
@@ -153,6 +176,7 @@ def _late_enable_lora(layer, model, strategy, tensor_size, groups, allowed):
           layouts.LayerLayout(layer, kind, weight.layout.style,
                               tuple(variable_layouts)),
           tensor_size, strategy, groups)
+    _record_layouts(strategy, weight.path, variable_layouts)
     return result
 
   object.__setattr__(layer, "enable_lora", enable_lora)
