@@ -33,6 +33,15 @@ def _model_parallel(layout_map_of=None, shape=(2, 2)):
                                           batch_dim_name="batch")
 
 
+def _assert_trained_like(model, history, reference, reference_losses):
+  """The last loss and every whole weight within 1e-5 of one device's."""
+  assert abs(history.history["loss"][-1] - reference_losses[-1]) < 1e-5
+  expected = tfpar.logical_weights(reference)
+  got = tfpar.logical_weights(model)
+  worst = max(float(np.abs(got[p] - expected[p]).max()) for p in expected)
+  assert worst < 1e-5, worst
+
+
 @pytest.mark.parametrize("family", sorted(BACKBONES))
 def test_keras_hub_layout_map_trains_like_one_device(family):
   distribution = _model_parallel(BACKBONES[family].get_layout_map)
@@ -50,11 +59,7 @@ def test_keras_hub_layout_map_trains_like_one_device(family):
   x, y = hub_common.data(family)
   history = model.fit(x, y, batch_size=hub_common.BATCH, epochs=1,
                       shuffle=False, verbose=0, callbacks=callbacks)
-  assert abs(history.history["loss"][-1] - reference_losses[-1]) < 1e-5
-  expected = tfpar.logical_weights(reference)
-  got = tfpar.logical_weights(model)
-  worst = max(float(np.abs(got[p] - expected[p]).max()) for p in expected)
-  assert worst < 1e-5, worst
+  _assert_trained_like(model, history, reference, reference_losses)
 
   # Every block kernel the map splits over "model" is split over tensor,
   # and ZeRO-3 spreads it over the 2 replicas too: each device holds about
@@ -258,11 +263,7 @@ def test_keras_hub_map_under_set_distribution_warns_what_it_keeps_whole(
   history = model.fit(x, y, batch_size=hub_common.BATCH, epochs=1,
                       shuffle=False, verbose=0)
   assert model.distribute_strategy is tf.distribute.get_strategy()
-  assert abs(history.history["loss"][-1] - reference_losses[-1]) < 1e-5
-  expected = tfpar.logical_weights(reference)
-  got = tfpar.logical_weights(model)
-  worst = max(float(np.abs(got[p] - expected[p]).max()) for p in expected)
-  assert worst < 1e-5, worst
+  _assert_trained_like(model, history, reference, reference_losses)
   # Split over the model axis only: about half the model on each device.
   held = hub_common.bytes_by_device(model)
   total = sum(hub_common.bytes_by_device(reference).values())
