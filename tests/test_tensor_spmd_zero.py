@@ -179,3 +179,25 @@ def test_saved_optimizer_state_is_one_devices(runs, case, tmp_path):
                                   err_msg=want.path)
   for got, want in zip(loaded.get_weights(), reference.get_weights()):
     np.testing.assert_array_equal(got, want)
+
+
+def test_zero_option_applies_zero_without_a_callback(runs):
+  # TensorParallelStrategy(zero=tfpar.ZeRO(stage=3)) does what the callback
+  # does (a keras.distribution layout map over both axes folds into it):
+  # the same losses and weights, the same slices on every device.
+  reference, expected, _, callback_model, _ = runs((3, None))
+  devices = tf.config.list_logical_devices("CPU")[:4]
+  strategy = tfpar.TensorParallelStrategy(
+      tfpar.Mesh(LAYOUT, [d.name for d in devices]),
+      zero=tfpar.ZeRO(stage=3))
+  with strategy.scope():
+    model = _model(CASES[(3, None)])
+  losses = tp_common.step_losses(model, *_data(), epochs=1)
+  tp_common.assert_trains_like(model, losses, reference, expected)
+  names = [_device(d.name) for d in devices]
+  assert _held(model.trainable_variables, names) == _held(
+      callback_model.trainable_variables, names)
+  assert _held(model.optimizer.variables, names) == _held(
+      callback_model.optimizer.variables, names)
+  with pytest.raises(ValueError, match=r"zero must be None or a tfpar.ZeRO"):
+    tfpar.TensorParallelStrategy(tfpar.Mesh(LAYOUT), zero=3)

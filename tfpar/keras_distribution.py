@@ -24,10 +24,12 @@ scope:
   weights over both, as FSDP does) means "spread this weight over the data
   replicas too": tfpar does that with ZeRO stage 3. With a model axis of
   size 1 that is `DataParallelStrategy(zero=tfpar.ZeRO(stage=3))`, one
-  strategy. `TensorParallelStrategy` has no `zero=` option: with both axes
-  larger than 1, `from_keras_distribution` returns `tfpar.ZeRO(stage=3)`
-  as a callback for `fit`, and `set_distribution`, which cannot pass
-  callbacks, warns that it keeps those weights whole over the batch axis.
+  strategy. With both axes larger than 1, `from_keras_distribution`
+  returns `tfpar.ZeRO(stage=3)` as a callback for `fit` (not yet folded
+  into `TensorParallelStrategy(zero=...)`: keras-hub's `generate` under
+  tensor parallelism with ZeRO-3 fails), and `set_distribution`, which
+  cannot pass callbacks, warns that it keeps those weights whole over the
+  batch axis.
 - an entry for a layer's output (`<layer path>/output`, which Keras's JAX
   backend uses to relayout activations) is left out with a warning: tfpar
   lays out activations itself (Keras's TensorFlow backend has no relayout
@@ -63,8 +65,8 @@ def from_keras_distribution(distribution):
     makes this strategy the default) and pass `callbacks` to `fit`. They
     are empty except when a `ModelParallel` whose batch and model axes
     both have more than one device spreads weights over the batch axis:
-    `[tfpar.ZeRO(stage=3)]` then, as `TensorParallelStrategy` has no
-    `zero=` option. With a model axis of size 1 the strategy is a
+    `[tfpar.ZeRO(stage=3)]` then (not folded into the strategy's `zero=`
+    yet). With a model axis of size 1 the strategy is a
     `DataParallelStrategy` that applies ZeRO-3 itself.
 
   Raises:
@@ -229,7 +231,7 @@ def _warn_callbacks_dropped(value, callbacks):
       f"keras.distribution.set_distribution: the LayoutMap of {value!r} "
       f"also spreads weights over the batch axis, which tfpar does with "
       f"{', '.join(type(c).__name__ for c in callbacks)} callbacks "
-      f"(tfpar.TensorParallelStrategy has no zero= option); "
+      f"(not folded into TensorParallelStrategy(zero=...) yet); "
       f"set_distribution cannot pass callbacks to fit, so those weights "
       f"are split over the model axis only and kept whole over the batch "
       f"axis. To spread them too, use strategy, callbacks = "

@@ -73,6 +73,7 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
     sequence_parallel: run position-wise regions on sequence slices
       (`spmd/sequence.py`).
     float32_sums: add partial sums in float32 under a mixed policy.
+    zero: None or a `tfpar.ZeRO` applied to every model once sharded.
   """
 
   # Weights are created spread over the tensor group (`engine/spread.py`),
@@ -83,12 +84,13 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
 
   def __init__(self, container_strategy, mesh, plan,
                communication_options=None, sequence_parallel=False,
-               float32_sums=False):
+               float32_sums=False, zero=None):
     per_device_checks.check_strategy(mesh)
     super().__init__(container_strategy, mesh, communication_options)
     self._plan = plan
     self._sequence_parallel = sequence_parallel
     self.float32_sums = float32_sums
+    self._zero = zero
     self._groups = collectives.TensorGroups(
         self._local_groups, self._collective_keys,
         self._communication_options,
@@ -104,6 +106,11 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
   @property
   def tensor_size(self):
     return self._mesh.shape["tensor"]
+
+  @property
+  def zero(self):
+    """The `tfpar.ZeRO` applied to every model once sharded, or None."""
+    return self._zero
 
   @property
   def tensor_groups(self):
@@ -142,6 +149,11 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
     elif self.is_prepared(model) and (
         getattr(model, "optimizer", None) is not None):
       self._adopt(model.optimizer, model)
+    optimizer = getattr(model, "optimizer", None)
+    if (self._zero is not None and self.is_prepared(model) and
+        optimizer is not None and not optimizer.built and
+        getattr(optimizer, "_tfpar_zero", None) is None):
+      self._zero.prepare_fit(model)  # As the callback does at `fit`.
 
   def laid_out_elsewhere(self, model):
     """Paths of `model`'s weights another parallelism lays out (left

@@ -35,6 +35,10 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
       Mirrored's spread from one device) or `"compute"` (the compute dtype,
       as Megatron-LM: half those bytes, each device rounding its partial
       sums before they are added). No effect under `float32`.
+    zero: None, or a `tfpar.ZeRO` the strategy applies to every model
+      created in its scope once it is sharded (as the callback would at
+      `fit`; each tensor column's state, and with stage 3 its weights,
+      sliced over the data replicas), so no callback is needed.
     spmd: True (the default) or None, the one design: every device of a tensor
       group traces its own copy of the step and computes the replicated
       work itself (LayerNorms, residual adds, dropout, the loss); the
@@ -67,8 +71,13 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
 
   def __init__(self, mesh=None, plan=None, sequence_parallel=False,
                communication_options=None, communication_dtype="float32",
-               spmd=True):
+               spmd=True, zero=None):
     per_device_checks.check_spmd(spmd, "TensorParallelStrategy")
+    if zero is not None and not hasattr(zero, "prepare_fit"):
+      raise ValueError(
+          f"TensorParallelStrategy: zero must be None or a tfpar.ZeRO "
+          f"callback, e.g. zero=tfpar.ZeRO(stage=3). Received: zero={zero!r}")
+    self._zero = zero
     if not isinstance(sequence_parallel, bool):
       raise ValueError(f"sequence_parallel must be True or False. Received: "
                        f"sequence_parallel={sequence_parallel!r}")
@@ -81,7 +90,7 @@ class TensorParallelStrategy(engine_strategy.MeshStrategy):
     return extended_lib.TensorParallelExtended(
         self, mesh, self._plan, communication_options,
         sequence_parallel=self._sequence_parallel,
-        float32_sums=self._float32_sums)
+        float32_sums=self._float32_sums, zero=self._zero)
 
   def _check_mesh(self, mesh):
     if mesh.shape["pipeline"] != 1:
