@@ -59,15 +59,19 @@ def test_dense_mlp(quantize, tmp_path):
                                 tmp_path)
 
 
+def _gpt_with_lora(blocks, skip=()):
+  """tp_common's GPT, LoRA rank 2 on its projections but `skip`, compiled."""
+  model = tp_common.gpt(blocks=blocks)
+  for layer in _projections(model):
+    if layer.name not in skip:
+      layer.enable_lora(2)
+  lora_common.set_lora(model)
+  tp_common.compile_model(model)
+  return model
+
+
 def test_gpt_lora_under_pipeline_stages():
-  def build():
-    model = tp_common.gpt(blocks=2)
-    for layer in _projections(model):
-      if layer.name != "lm_head":
-        layer.enable_lora(2)
-    lora_common.set_lora(model)
-    tp_common.compile_model(model)
-    return model
+  build = lambda: _gpt_with_lora(blocks=2, skip=("lm_head",))
   data = tp_common.data("gpt", count=32)
   reference = build()
   initial = tfpar.logical_weights(reference)
@@ -107,13 +111,7 @@ def test_mlp_lora_under_zero_3(tmp_path):
 def test_gpt_lora_with_sequence_parallelism():
   """MultiHeadAttention and the MLP with LoRA, the norms and residuals on
   sequence slices."""
-  def build():
-    model = tp_common.gpt(blocks=1)
-    for layer in _projections(model):
-      layer.enable_lora(2)
-    lora_common.set_lora(model)
-    tp_common.compile_model(model)
-    return model
+  build = lambda: _gpt_with_lora(blocks=1)
   data = tp_common.data("gpt", count=32)
   reference = build()
   initial = tfpar.logical_weights(reference)
