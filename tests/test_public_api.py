@@ -12,7 +12,7 @@ _PUBLIC = {
     "Mesh", "MeshAxis", "MoE", "ModelCheckpoint", "PipelineParallelStrategy",
     "PipelineTrace",
     "Replicate", "RowParallel", "ShardedWeight", "ShardingPlan",
-    "TensorParallelStrategy", "VocabParallel", "ZeRO",
+    "TensorParallelStrategy", "TrainingMonitor", "VocabParallel", "ZeRO",
     "configure_virtual_cpus", "from_keras_distribution", "from_recipe",
     "logical_weights", "memory_report", "plan_layout", "save_weights",
     "expert_parallel", "pipeline", "planner", "recipes", "tensor_parallel",

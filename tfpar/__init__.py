@@ -35,6 +35,7 @@ _EXPORTS = {
     "RowParallel": "tfpar.tensor_parallel",
     "ShardedWeight": "tfpar.tensor_parallel",
     "ShardingPlan": "tfpar.tensor_parallel",
+    "TrainingMonitor": "tfpar.monitor",
     "TensorParallelStrategy": "tfpar.tensor_parallel",
     "VocabParallel": "tfpar.tensor_parallel",
     "logical_weights": "tfpar.tensor_parallel",

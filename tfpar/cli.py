@@ -27,12 +27,43 @@ def build_parser():
   commands = parser.add_subparsers(dest="command", required=True)
   _add_launch(commands)
   _add_plan(commands)
+  _add_monitor(commands)
   return parser
 
 
 def _add_plan(commands):
   planner_cli.add_parser(commands).set_defaults(
       run=lambda parser, args: planner_cli.run(args))
+
+
+def _add_monitor(commands):
+  monitor = commands.add_parser(
+      "monitor", help="tfpar.TrainingMonitor's records",
+      description="Works with the CSV files tfpar.TrainingMonitor writes.")
+  actions = monitor.add_subparsers(dest="action", required=True)
+  plot = actions.add_parser(
+      "plot", help="throughput, MFU and bus bandwidth over steps, as a PNG",
+      description="Draws a TrainingMonitor CSV to a PNG (matplotlib if "
+      "installed, else tfpar's own bitmap drawing).")
+  plot.add_argument("csv", help="the CSV file TrainingMonitor(csv_path=) "
+                    "wrote")
+  plot.add_argument("--output", "-o", default=None,
+                    help="the PNG to write (default: the CSV's name with "
+                    ".png)")
+  plot.set_defaults(run=_run_monitor_plot)
+
+
+def _run_monitor_plot(parser, args):
+  from tfpar.monitor import plot  # pylint: disable=g-import-not-at-top
+  output = args.output or os.path.splitext(args.csv)[0] + ".png"
+  if not os.path.isfile(args.csv):
+    parser.error(f"the CSV file {args.csv!r} does not exist.")
+  try:
+    how = plot.write_png(args.csv, output)
+  except ValueError as e:
+    parser.error(str(e))
+  print(f"wrote {output} ({how})")
+  return 0
 
 
 def _add_launch(commands):
@@ -57,6 +88,16 @@ def _add_launch(commands):
                       "tfpar.from_recipe() builds in the workers")
   launch.add_argument("--module", "-m", action="store_true",
                       help="SCRIPT is a module name, run as python -m SCRIPT")
+  launch.add_argument("--elastic", action="store_true",
+                      help="when a worker is lost, stop the others and "
+                      "restart the job on the workers left, from its last "
+                      "backup (tfpar.BackupAndRestore)")
+  launch.add_argument("--min-workers", type=int, default=None,
+                      help="with --elastic: give up when fewer workers "
+                      "would be left (default 1)")
+  launch.add_argument("--max-restarts", type=int, default=None,
+                      help="with --elastic: give up after this many restarts "
+                      "(default 3)")
   launch.add_argument("script", help="the Python script (or module) to run")
   launch.add_argument("args", nargs=argparse.REMAINDER,
                       help="arguments passed to the script")
@@ -71,7 +112,8 @@ def _run_launch(parser, args):
         tuple(command), workers=args.workers,
         devices_per_worker=args.devices_per_worker, host=args.host,
         timeout=args.timeout, isolate_network=args.isolate_network,
-        recipe=args.recipe)
+        recipe=args.recipe, elastic=args.elastic,
+        min_workers=args.min_workers, max_restarts=args.max_restarts)
   except ValueError as e:
     parser.error(str(e))
   if not args.module and not os.path.isfile(args.script):
