@@ -29,6 +29,7 @@ _EXPORTS = {
     "configure_virtual_cpus": "tfpar.local_devices",
     "from_keras_distribution": "tfpar.keras_distribution",
     "from_recipe": "tfpar.recipes",
+    "keep_global_batch": "tfpar.global_batch",
     "ColumnParallel": "tfpar.tensor_parallel",
     "CommunicationLog": "tfpar.tensor_parallel",
     "Replicate": "tfpar.tensor_parallel",

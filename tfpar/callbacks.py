@@ -11,13 +11,16 @@ of the optimizer state (and at stage 3 of the weights): every worker then
 takes part in gathering the whole tensors, and the chief writes them.
 """
 
+import dataclasses
 import json
 
 import tensorflow as tf
 
 from tfpar import keras_hooks
 from tfpar import preemption
+from tfpar import resume_position
 from tfpar._compat import keras_callbacks
+from tfpar._compat import keras_optimizers
 from tfpar.expert_parallel import whole_experts
 from tfpar.zero import checkpoint as zero_checkpoint
 
@@ -96,17 +99,32 @@ class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
     keras_hooks.install_run_hooks()
 
   def on_train_begin(self, logs=None):
+    # Checked before the backup loads: a resume that cannot keep the global
+    # batch is refused before any work.
+    to_skip = self._resume_position()
     super().on_train_begin(logs)
-    self._batches_done = self._to_skip = self._steps_run = 0
+    self._batches_done = self._steps_run = 0
+    self._to_skip = to_skip
     if self.save_before_preemption:
       self._preemption = preemption.PreemptionWatch(
           self.model.distribute_strategy)
       self._preemption.install()
-    if tf.io.gfile.exists(self.metadata_path()):
-      with tf.io.gfile.GFile(self.metadata_path()) as metadata:
-        self._to_skip = json.load(metadata).get(self._BATCHES_DONE, 0)
     if self._to_skip:
       self._skip_trained_batches()
+
+  def _resume_position(self):
+    """The batches of the epoch the backup holds (0: no backup), checked
+    against this run's replicas, steps and accumulation."""
+    if not tf.io.gfile.exists(self.metadata_path()):
+      return 0
+    with tf.io.gfile.GFile(self.metadata_path()) as metadata:
+      written = json.load(metadata)
+    if resume_position.KEY not in written:  # An older backup.
+      return written.get(self._BATCHES_DONE, 0)
+    now = resume_position.of_model(self.model, 0, self.params.get("steps"))
+    return resume_position.batches_to_skip(
+        resume_position.Position(**written[resume_position.KEY]), now,
+        log=print if is_chief(self.model) else None)
 
   def _skip_trained_batches(self):
     """Makes the next train-function calls read, and not train on, the
@@ -136,9 +154,18 @@ class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
     self._batches_done = batch + 1
     super().on_train_batch_end(batch, logs)
     self._steps_run += 1
-    if self._preemption and self._preemption.save_now(self._steps_run):
+    if self._preemption and self._preemption.save_now(
+        self._steps_run, self._steps_to_accumulation_boundary):
       self.save_backup()
       self._preemption.exit_after_save(is_chief(self.model))
+
+  def _steps_to_accumulation_boundary(self):
+    """Steps after the next one until the optimizer next updates (a backup
+    in the middle of an accumulation cannot resume on another one)."""
+    optimizer = self.model.optimizer
+    steps = getattr(optimizer, "gradient_accumulation_steps", None) or 1
+    micro_steps = int(keras_optimizers.iterations_variable(optimizer).numpy())
+    return (-(micro_steps + 1)) % steps
 
   def on_epoch_end(self, epoch, logs=None):
     self._batches_done = self._to_skip = 0
@@ -151,6 +178,9 @@ class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
         with tf.io.gfile.GFile(self.metadata_path()) as metadata:
           written = json.load(metadata)
         written[self._BATCHES_DONE] = self._batches_done
+        written[resume_position.KEY] = dataclasses.asdict(
+            resume_position.of_model(self.model, self._batches_done,
+                                     self.params.get("steps")))
         with tf.io.gfile.GFile(self.metadata_path(), "w") as metadata:
           json.dump(written, metadata)
 

@@ -17,3 +17,8 @@ DEVICES_PER_WORKER_ENV = "TFPAR_DEVICES_PER_WORKER"
 
 # The recipe `tfpar launch --recipe NAME` chose; read by `tfpar.from_recipe()`.
 RECIPE_ENV = "TFPAR_RECIPE"
+
+# `tfpar launch --elastic`: the restart count (0 on the first run), and a
+# folder where a worker preempted by SIGTERM leaves a mark for the launcher.
+ELASTIC_RESTART_ENV = "TFPAR_ELASTIC_RESTART"
+ELASTIC_STATE_DIR_ENV = "TFPAR_ELASTIC_STATE_DIR"

@@ -8,32 +8,31 @@ that saved for a preemption and exited 143 (`tfpar.preemption`) leaves the
 others, which save the same step, up to `PREEMPTED_GRACE_SECONDS` to exit
 too. Workers never outlive the launcher, even when it is killed with
 SIGKILL (see `tfpar.lifetime` and `tfpar.netns`). With `--recipe NAME` the
-workers' `tfpar.from_recipe()` builds that recipe's strategy.
+workers' `tfpar.from_recipe()` builds that recipe's strategy. With
+`--elastic` a lost worker restarts the job on the workers left
+(`tfpar.launch_elastic`); the processes are run by `tfpar.supervise`.
 """
 
 import dataclasses
 import json
 import math
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 
-from tfpar import lifetime
+from tfpar import launch_elastic
 from tfpar import netns
+from tfpar import supervise
 from tfpar.environment import DEVICES_PER_WORKER_ENV
 from tfpar.ports import free_ports  # pylint: disable=unused-import
 from tfpar.recipes import files as recipe_files
 
-EXIT_TIMEOUT = 124
+EXIT_TIMEOUT = supervise.EXIT_TIMEOUT
 EXIT_INTERRUPTED = 130
-# tfpar.preemption.PREEMPTED_EXIT_CODE (the launcher does not import
-# TensorFlow): the other workers get PREEMPTED_GRACE_SECONDS to exit too.
-EXIT_PREEMPTED = 143
-PREEMPTED_GRACE_SECONDS = 30.0
-_GRACE_SECONDS = 5.0
+EXIT_PREEMPTED = supervise.EXIT_PREEMPTED
+PREEMPTED_GRACE_SECONDS = supervise.PREEMPTED_GRACE_SECONDS
+_GRACE_SECONDS = supervise.GRACE_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +54,11 @@ class LaunchConfig:
       `tfpar.from_recipe()` in the workers (None: none). It is checked
       here, before any worker starts, and kept as the file's absolute path,
       which the workers get in `TFPAR_RECIPE`.
+    elastic: when a worker is lost, stop the others and restart the job on
+      the workers that are left (`tfpar.launch_elastic`).
+    min_workers: with `elastic`, the fewest workers the job may run on
+      (default: 1).
+    max_restarts: with `elastic`, how many restarts are allowed (default 3).
 
   Example:
 
@@ -71,6 +75,9 @@ class LaunchConfig:
   env: dict = dataclasses.field(default_factory=dict)
   isolate_network: bool = None
   recipe: str = None
+  elastic: bool = False
+  min_workers: int = None
+  max_restarts: int = None
 
   def __post_init__(self):
     if self.isolate_network is None:
@@ -78,11 +85,14 @@ class LaunchConfig:
                          self.host in _LOOPBACK)
     if not self.command:
       raise ValueError("tfpar launch needs a script to run. Received: none.")
-    for name in ("workers", "devices_per_worker"):
+    for name, least in (("workers", 1), ("devices_per_worker", 1),
+                        ("min_workers", 1), ("max_restarts", 0)):
       value = getattr(self, name)
-      if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"--{name.replace('_', '-')} must be a positive "
+      if value is not None and (not isinstance(value, int) or value < least):
+        kind = "a positive" if least else "a non-negative"
+        raise ValueError(f"--{name.replace('_', '-')} must be {kind} "
                          f"integer. Received: {value!r}")
+    _check_elastic(self)
     if self.host.count(":") == 1 or not self.host.strip():
       raise ValueError(
           f"--host takes an address without a port (tfpar launch picks "
@@ -101,6 +111,28 @@ class LaunchConfig:
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _check_elastic(config):
+  """Refuses elastic settings that cannot apply; fills their defaults."""
+  given = [f"--{name.replace('_', '-')}" for name in ("min_workers",
+                                                      "max_restarts")
+           if getattr(config, name) is not None]
+  if not config.elastic:
+    if given:
+      raise ValueError(f"{' and '.join(given)} only apply with --elastic "
+                       f"(restarts when a worker is lost). Received: "
+                       f"{' and '.join(given)} without --elastic")
+    return
+  if config.min_workers is None:
+    object.__setattr__(config, "min_workers", 1)
+  if config.max_restarts is None:
+    object.__setattr__(config, "max_restarts", 3)
+  if config.min_workers > config.workers:
+    raise ValueError(f"--min-workers must be at most --workers (the job "
+                     f"starts on --workers and only loses workers). "
+                     f"Received: --min-workers {config.min_workers}, "
+                     f"--workers {config.workers}")
 
 
 def _check_host(host, isolate_network):
@@ -163,6 +195,8 @@ def launch(config, out=None):
   ['[worker 0] hi', '[worker 1] hi']
   """
   out = out or sys.stdout
+  deadline = None if config.timeout is None else (time.monotonic() +
+                                                  config.timeout)
   if config.isolate_network:
     if netns.isolation_available():
       # The timeout is kept here, outside: the launcher inside stops on
@@ -172,97 +206,33 @@ def launch(config, out=None):
                                  json.dumps(dataclasses.asdict(inner)))
       # The launcher inside stops its workers within _GRACE_SECONDS; after
       # that, killing `unshare` kills the whole namespace.
-      return _run([command], [dict(os.environ)], [""], config.timeout, out,
-                  grace=_GRACE_SECONDS + 2)
+      return supervise.run([command], [dict(os.environ)], [""], deadline,
+                           out, grace=_GRACE_SECONDS + 2).code
     out.write("tfpar launch: cannot make a private network namespace here; "
               "TensorFlow's worker servers will listen on all interfaces.\n")
+  if config.elastic:
+    return launch_elastic.run(
+        config.workers, config.min_workers, config.max_restarts,
+        lambda attempt: _run_workers(config, attempt.workers, deadline, out,
+                                     attempt.env, attempt.grace), out)
+  return _run_workers(config, config.workers, deadline, out).code
+
+
+def _run_workers(config, workers, deadline, out, extra_env=None,
+                 grace=_GRACE_SECONDS):
+  """Runs `workers` workers of `config` to the end; their `Outcome`."""
   envs = []
-  for tf_config in tf_configs(config.workers, config.host):
-    env = dict(os.environ, **config.env, TF_CONFIG=tf_config,
-               PYTHONUNBUFFERED="1")
+  for tf_config in tf_configs(workers, config.host):
+    env = dict(os.environ, **config.env, **(extra_env or {}),
+               TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
     if config.devices_per_worker:
       env[DEVICES_PER_WORKER_ENV] = str(config.devices_per_worker)
     if config.recipe:
       env[recipe_files.RECIPE_ENV] = config.recipe  # The file's path.
     envs.append(env)
-  prefixes = [f"[worker {index}] " for index in range(config.workers)]
-  return _run([config.command] * config.workers, envs, prefixes,
-              config.timeout, out)
-
-
-def _run(commands, envs, prefixes, timeout, out, grace=_GRACE_SECONDS):
-  """Runs the processes to the end; returns the launcher's exit code."""
-  lock = threading.Lock()
-  deadline = None if timeout is None else time.monotonic() + timeout
-  with lifetime.StopSignals() as stop:
-    processes = []
-    try:
-      # Every process first, then the output threads: no thread runs while
-      # `spawn` forks.
-      for command, env in zip(commands, envs):
-        processes.append(lifetime.spawn(command, env))
-      pumps = [threading.Thread(target=_pump, daemon=True,
-                                args=(process.stdout, prefix, out, lock))
-               for process, prefix in zip(processes, prefixes)]
-      for pump in pumps:
-        pump.start()
-      code = _supervise(processes, deadline, stop, out, lock)
-    finally:
-      lifetime.stop_all(processes, stop.received or signal.SIGTERM, grace)
-    for pump in pumps:
-      pump.join(timeout=_GRACE_SECONDS)
-  return code
-
-
-def _supervise(processes, deadline, stop, out, lock):
-  failed = None  # The index of the first worker that failed.
-  grace_end = None
-  while True:
-    if stop.received is not None:
-      name = signal.Signals(stop.received).name
-      _say(out, lock, f"tfpar launch: got {name}; stopping workers")
-      return 128 + stop.received  # 130 for SIGINT, 143 for SIGTERM.
-    codes = [p.poll() for p in processes]
-    if failed is None:
-      failed = next((index for index, code in enumerate(codes)
-                     if code not in (None, 0)), None)
-      if failed is not None and _saving(codes[failed], codes):
-        _say(out, lock, f"tfpar launch: worker {failed} was preempted; "
-             f"waiting up to {PREEMPTED_GRACE_SECONDS:.0f} s for the others "
-             "to save and exit")
-        grace_end = time.monotonic() + PREEMPTED_GRACE_SECONDS
-    if failed is not None:
-      code = codes[failed]
-      if not (_saving(code, codes) and time.monotonic() < grace_end):
-        if None in codes:
-          _say(out, lock, f"tfpar launch: worker {failed} exited with code "
-               f"{code}; stopping the other workers")
-        return code if code > 0 else 128 - code
-    elif all(code == 0 for code in codes):
-      return 0
-    if deadline is not None and time.monotonic() > deadline:
-      _say(out, lock, "tfpar launch: timed out; stopping workers")
-      return EXIT_TIMEOUT
-    stop.wait(0.05)
-
-
-def _saving(code, codes):
-  """Whether a worker that exited with `code` was preempted while others,
-  which save the same step (`tfpar.preemption`), still run."""
-  return (code == EXIT_PREEMPTED and None in codes and
-          all(other in (None, EXIT_PREEMPTED) for other in codes))
-
-
-def _pump(stream, prefix, out, lock):
-  for raw in iter(stream.readline, b""):
-    _say(out, lock, prefix + raw.decode("utf-8", "replace").rstrip("\n"))
-  stream.close()
-
-
-def _say(out, lock, line):
-  with lock:
-    out.write(line + "\n")
-    out.flush()
+  prefixes = [f"[worker {index}] " for index in range(workers)]
+  return supervise.run([config.command] * workers, envs, prefixes, deadline,
+                       out, grace)
 
 
 if __name__ == "__main__":

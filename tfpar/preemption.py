@@ -25,6 +25,7 @@ TensorFlow's key-value store is reached through `tfpar._compat.runtime`
 it fails loudly.
 """
 
+import os
 import signal
 import sys
 import threading
@@ -33,6 +34,7 @@ import time
 import tensorflow as tf
 
 from tfpar._compat import runtime
+from tfpar.environment import ELASTIC_STATE_DIR_ENV
 
 PREEMPTED_EXIT_CODE = 143  # As TensorFlow's PreemptionCheckpointHandler.
 _TIMEOUT_SECONDS = 120.0  # How long a worker waits for the other workers.
@@ -114,16 +116,22 @@ class PreemptionWatch:
       self._watcher.join(timeout=_TIMEOUT_SECONDS)
     self._watcher = None
 
-  def save_now(self, steps_run):
+  def save_now(self, steps_run, steps_to_boundary=lambda: 0):
     """Whether every worker saves now; called on every worker after each
-    step, with the number of steps run so far (the same on every worker)."""
+    step, with the number of steps run so far (the same on every worker).
+
+    `steps_to_boundary()` (asked once, after a SIGTERM) is how many steps
+    after the next one end a unit the save must not cut (an accumulation
+    of gradients); the save waits for them."""
     if not self._multi_worker:
-      return self._signalled.is_set()
+      if self._signalled.is_set() and self._save_at is None:
+        self._save_at = steps_run + steps_to_boundary()
+      return self._save_at == steps_run
     if self._signalled.is_set() and not self._announced:
       self._announced = True
       try:
-        _key_value_store().set_config_key_value(self._key,
-                                                str(steps_run + 1))
+        _key_value_store().set_config_key_value(
+            self._key, str(steps_run + 1 + steps_to_boundary()))
       except tf.errors.AlreadyExistsError:  # Another worker was first.
         pass
       else:
@@ -153,6 +161,15 @@ class PreemptionWatch:
             f"tfpar preemption: task {task} did not report '{what}' within "
             f"{_TIMEOUT_SECONDS:.0f} s of the others") from None
 
+  def _mark_preempted(self):
+    """Under `tfpar launch --elastic`, tells the launcher that this worker
+    got the SIGTERM, so that the restart leaves its machine out."""
+    folder = os.environ.get(ELASTIC_STATE_DIR_ENV)
+    if folder and self._signalled.is_set() and os.path.isdir(folder):
+      index = (self._task or "worker:0").rpartition(":")[2]
+      with open(os.path.join(folder, f"preempted.{index}"), "w"):
+        pass
+
   def exit_after_save(self, is_chief):
     """Waits until the chief has written the checkpoint (the chief: until
     every worker knows it), then exits with `PREEMPTED_EXIT_CODE`."""
@@ -166,6 +183,7 @@ class PreemptionWatch:
         self._wait_for_every_task("saved", self._tasks[:1])  # The chief.
         _key_value_store().set_config_key_value(
             f"{self._key}/read/{self._task}", "1")
+    self._mark_preempted()
     print(f"tfpar: preempted (SIGTERM); saved, exiting with "
           f"{PREEMPTED_EXIT_CODE}. Relaunch to resume.", flush=True)
     self.uninstall()
