@@ -4,6 +4,7 @@ import keras
 
 from tfpar._compat import keras_attention
 from tfpar._compat import keras_layers
+from tfpar.tensor_parallel import attention_trace
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import lora
@@ -103,8 +104,8 @@ def _user_layer_style(layer, user, expected):
 
 def _resolve_attention(layer, family, user, tensor_size, use_builtin):
   """Attention split by heads: keras.layers.MultiHeadAttention with tfpar's
-  own call (family None), a registered family with its own call replayed
-  per device (`heads.py`)."""
+  own call (family None), a registered or traced family with its own call
+  run per device (`spmd/layers._install_heads`)."""
   parts = (family.projections(layer) if family is not None
            else attention_parts(layer))
   kind = layouts.ATTENTION if family is None else layouts.HEADS
@@ -185,10 +186,16 @@ def _is_embedding(layer):
       layer, keras.layers.ReversibleEmbedding)
 
 
-def _resolve_embedding(layer, user, tensor_size, use_builtin):
+def _resolve_embedding(layer, user, tensor_size, use_builtin,
+                       positions=False):
   table = keras_layers.embeddings(layer)  # The variable (LoRA: a tensor).
   if table.path in user:
     style, source = user[table.path]
+  elif use_builtin and positions:
+    # Ids not computed from the model's inputs: a position table (ViT's,
+    # SigLIP's), whole on every device as Megatron keeps it.
+    style, source = styles.REPLICATE, (
+        "built-in: position table (ids not computed from the inputs)")
   elif use_builtin and layer.input_dim < tensor_size:
     # Fewer rows than devices (BERT's 2 segment types): nothing to split.
     style, source = styles.REPLICATE, (
@@ -225,32 +232,105 @@ def _resolve_embedding(layer, user, tensor_size, use_builtin):
       _variable(v, style, axis, source) for v, axis in tables))
 
 
+def _traced_attention(model, projections, embeddings, handled, user,
+                      tensor_size):
+  """(`LayerLayout`s of the attention layers tracing finds, the
+  projections left, the trace, which records `embeddings` too)
+  (`attention_trace.py`)."""
+  containers = {}
+  for layer in keras_layers.flatten_layers(model, include_self=False,
+                                           recursive=True):
+    if isinstance(layer, keras.Model) or layer in handled:
+      continue
+    inner = list(keras_layers.flatten_layers(layer, include_self=False))
+    if sum(1 for x in inner if any(x is p for p in projections)) >= 2:
+      containers[layer] = inner
+  biases = [x for inner in containers.values() for x in inner
+            if type(x).__name__ in families.HEAD_BIAS_LAYERS]
+  calls = structure.trace_calls(model, projections + list(containers) +
+                                biases + embeddings)
+  found = attention_trace.find(
+      calls, projections, containers,
+      [attention_trace.regions.key(calls[b][2]) for b in biases
+       if b in calls])
+  resolved, taken = [], set()
+  for attention in found:
+    parts = list(attention.projections.values())
+    if any(v.path in user for p in parts for v in p.weights):
+      continue  # The rules decide, projection by projection.
+    owner = attention.owner
+    family = families.traced_family(owner, attention)
+    _check_traced(owner, family, tensor_size)
+    families.mark_traced(owner, family)
+    resolved.extend(_resolve_attention(owner, family, user, tensor_size,
+                                       True))
+    taken.update(id(p) for p in parts)
+  return resolved, [p for p in projections if id(p) not in taken], calls
+
+
+def _check_traced(layer, family, tensor_size):
+  """Refuses what a traced attention cannot run split by heads."""
+  query, key_value = family.head_counts(layer)
+  for sub in keras_layers.flatten_layers(layer, include_self=False):
+    if isinstance(sub, keras.layers.Dropout) and sub.rate:
+      raise ValueError(
+          f"Tensor parallelism cannot split layer {layer.name!r} "
+          f"({type(layer).__name__}) by heads with its dropout sublayer "
+          f"{sub.name!r} (rate={sub.rate!r}): tfpar draws one device's "
+          f"mask only for the attention dropout of the classes in "
+          f"tfpar/tensor_parallel/families.py. Use rate 0 there.")
+  if key_value % tensor_size and query % tensor_size == 0:
+    raise ValueError(
+        f"Layer {layer.name!r} ({type(layer).__name__}): {key_value} "
+        f"key/value heads are not divisible by the mesh's tensor size "
+        f"{tensor_size}; devices share key/value heads only for the "
+        f"classes in tfpar/tensor_parallel/families.py. Choose a tensor "
+        f"size that divides {key_value} or give the layer's weights "
+        f"tfpar.Replicate().")
+
+
 def resolve_layers(model, user, tensor_size, use_builtin=True):
   """`LayerLayout`s of every Dense, EinsumDense, Embedding and attention
   layer of `model` (sharded or not).
 
-  Attention layers (keras.layers.MultiHeadAttention and the families of
-  `families.py`) are split by heads; the MLPs tracing the model finds
-  (`structure.py`) column- then row-parallel; other EinsumDense layers
-  column-parallel; other Dense layers are replicated.
+  Attention layers (keras.layers.MultiHeadAttention, the families of
+  `families.py`, and any layer whose attention tracing the model finds,
+  `attention_trace.py`) are split by heads; the MLPs tracing the model
+  finds (`structure.py`) column- then row-parallel; other EinsumDense
+  layers column-parallel; other Dense layers are replicated.
   """
   inside_attention = set()
   resolved = []
   projections = []
+  embeddings = []
+  handled = set()
   for layer in keras_layers.flatten_layers(model, include_self=False, recursive=True):
     if layer in inside_attention or not layer.built:
       continue
-    family = families.family_of(layer)
+    family = families.table_family_of(layer)
     if _is_attention(layer) or family is not None:
-      inside_attention.update(keras_layers.flatten_layers(layer, include_self=False))
+      inside = list(keras_layers.flatten_layers(layer, include_self=False))
+      inside_attention.update(inside)
+      handled.add(layer)
+      handled.update(inside)
       resolved.extend(_resolve_attention(layer, family, user, tensor_size,
                                          use_builtin))
     elif _is_embedding(layer):
-      resolved.append(_resolve_embedding(layer, user, tensor_size,
-                                         use_builtin))
+      embeddings.append(layer)
     elif type(layer) in (keras.layers.EinsumDense, keras.layers.Dense):
       projections.append(layer)
-  pairs = structure.mlp_styles(model, projections) if use_builtin else {}
+  calls = None
+  if use_builtin and (projections or embeddings):
+    traced, projections, calls = _traced_attention(
+        model, projections, embeddings, handled, user, tensor_size)
+    resolved.extend(traced)
+  for layer in embeddings:
+    positions = (type(layer) is keras.layers.Embedding and calls is not None
+                 and structure.reads_model_inputs(calls, layer) is False)
+    resolved.append(_resolve_embedding(layer, user, tensor_size,
+                                       use_builtin, positions))
+  pairs = (structure.mlp_styles(model, projections, calls)
+           if use_builtin else {})
   for layer in projections:
     dense = type(layer) is keras.layers.Dense
     if layer in pairs:

@@ -1,18 +1,31 @@
 """The attention layers tfpar splits by heads, and what they are made of.
 
-Each entry names a Keras or keras-hub attention class, the attributes that
-hold its query, key, value and output projections, and the attributes that
-hold its head counts. Splitting by heads runs the layer's own `call` once
-per device with the local head counts (`spmd/layers._install_heads`), so
-the entry is all tfpar needs to know of the family. Attribute names are checked when a
-model is sharded: if an upgrade of keras-hub renamed one, sharding stops
-with an error naming it, instead of silently replicating the layer.
+Splitting by heads runs the layer's own `call` once per device with the
+local head counts (`spmd/layers._install_heads`). Attention layers are
+found by tracing the model (`attention_trace.py`): the projections and
+the head counts come from the graph, and `TracedFamily` sets the owner's
+head-count attributes by the names they carry (`_HEADS`, `_GROUPS`,
+`_TOTALS`). This module is the one place of class-specific knowledge,
+for what tracing cannot decide:
 
-To add a family, add an `AttentionFamily` and an equality test against one
-device (tests/test_keras_hub.py).
+* `FAMILIES`: classes tfpar knows in full (the attributes holding the
+  projections and head counts), those whose key/value heads may be shared
+  by devices (rotary keys summed after rotation, `shared_heads.py`), whose
+  scores are grouped [batch, key/value heads, groups, query, key] (Gemma),
+  or whose totals over heads are not named as the rule expects. Attribute
+  names are checked when a model is sharded: if an upgrade of keras-hub
+  renamed one, sharding stops with an error naming it.
+* `HEAD_BIAS_LAYERS`: sublayers that add a per-head bias computed from the
+  scores' shape (Bloom's `AlibiBias`); each device takes its heads' part.
+
+A traced attention tfpar cannot split (a fused kernel not laid out by
+heads, a per-head term computed inside the layer, head-count attributes
+it cannot tell apart) is a `ValueError` naming the layer, never a silent
+replica.
 """
 
 import dataclasses
+import re
 from typing import Optional, Tuple
 
 import keras
@@ -94,16 +107,121 @@ FAMILIES = (
                     output="output_dense", **_HUB_GQA,
                     # Its scale is 1/sqrt(hidden_dim // num_query_heads).
                     per_head=("hidden_dim",)),
+    AttentionFamily("CachedGemma3Attention", "keras_hub.",
+                    query="query_dense", key="key_dense", value="value_dense",
+                    output="output_dense", **_HUB_GQA,
+                    per_head=("hidden_dim",)),
 )
+
+# Sublayers (class names) whose call adds to the scores a per-head bias
+# computed from the scores' shape: `f(scores) = scores + bias(shape)`.
+HEAD_BIAS_LAYERS = ("AlibiBias",)
+
+# A traced attention's owner: int attributes named like these hold...
+_HEADS = re.compile(r"^_*(n_head|num_head|(\w+_)?heads)$")  # head counts
+_GROUPS = re.compile(r"^_*\w*groups$")  # query heads per key/value head
+_TOTALS = re.compile(r"^_*\w*hidden\w*$")  # a total over heads (if equal)
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedFamily:
+  """An attention found by tracing (`attention_trace.Attention`), with
+  the interface of `AttentionFamily`.
+
+  Attributes:
+    class_name: the owner's class name.
+    found: the `attention_trace.Attention`.
+    local_names: {attribute: "query", "key_value", "groups" or "total"}.
+  """
+  class_name: str
+  found: object
+  local_names: tuple
+
+  def projections(self, layer):
+    del layer
+    return dict(self.found.projections)
+
+  def head_counts(self, layer):
+    del layer
+    return self.found.query_heads, self.found.key_value_heads
+
+  def local_attributes(self, layer, tensor_size, key_value_local):
+    query_local = self.found.query_heads // tensor_size
+    values = {"query": query_local, "key_value": key_value_local,
+              "groups": query_local // key_value_local}
+    local = {}
+    for name, kind in self.local_names:
+      local[name] = (getattr(layer, name) // tensor_size if kind == "total"
+                     else values[kind])
+    return local
+
+
+def traced_family(layer, found):
+  """The `TracedFamily` of `found` on its owner `layer`.
+
+  Raises:
+    ValueError: the attention cannot be split by heads (`found.problem`),
+      or an attribute named like a head count holds another number.
+  """
+  query, key_value = found.query_heads, found.key_value_heads
+  where = f"Layer {layer.name!r} ({type(layer).__name__})"
+  advice = (f"Give its weights tfpar.Replicate() rules, or add its class "
+            f"to tfpar/tensor_parallel/families.py's FAMILIES.")
+  if found.problem:
+    raise ValueError(f"{where} computes attention (found by tracing), "
+                     f"but tfpar cannot split it by heads: {found.problem}. "
+                     f"{advice}")
+  names = []
+  for name, value in sorted(vars(layer).items()):
+    if not isinstance(value, int) or isinstance(value, bool):
+      continue
+    if _HEADS.match(name):
+      if value == query:
+        names.append((name, "query"))
+      elif value == key_value:
+        names.append((name, "key_value"))
+      else:
+        raise ValueError(
+            f"{where}: its attribute {name!r} = {value} looks like a head "
+            f"count, but tracing found {query} query and {key_value} "
+            f"key/value heads, so tfpar cannot tell what it counts. "
+            f"{advice}")
+    elif _GROUPS.match(name) and key_value and value == query // key_value:
+      names.append((name, "groups"))
+    elif _TOTALS.match(name) and value == query * found.head_dim:
+      names.append((name, "total"))
+  if not any(kind == "query" for _, kind in names):
+    raise ValueError(
+        f"{where} computes attention with {query} heads (found by "
+        f"tracing), but none of its attributes is named like a head count "
+        f"(num_heads, num_query_heads...), so tfpar cannot run its call on "
+        f"one device's heads. {advice}")
+  return TracedFamily(type(layer).__name__, found, tuple(names))
+
+
+_TRACED = "_tfpar_traced_attention"
+
+
+def mark_traced(layer, family):
+  """Records `family` (a `TracedFamily`) as `layer`'s, for `family_of`."""
+  object.__setattr__(layer, _TRACED, family)
 
 
 def family_of(layer):
-  """The `AttentionFamily` of `layer`, or None.
+  """The `AttentionFamily` of `layer`, or its `TracedFamily`, or None.
 
-  The layer's class or its nearest registered base class decides; plain
+  The layer's class or its nearest registered base class decides, then
+  what tracing the model found (`mark_traced`); plain
   `keras.layers.MultiHeadAttention` itself is not a family (tfpar runs it
   with its own head-split call).
   """
+  family = table_family_of(layer)
+  return family if family is not None else getattr(layer, _TRACED, None)
+
+
+def table_family_of(layer):
+  """The `AttentionFamily` of `FAMILIES` for `layer`'s class, or None
+  (for plain `keras.layers.MultiHeadAttention` too)."""
   if type(layer) is keras.layers.MultiHeadAttention:
     return None
   for cls in type(layer).__mro__:

@@ -30,8 +30,11 @@ def _input_specs(model):
       lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
 
 
-def _trace(model, candidates):
-  """{layer: (input tensor, output tensor)} from one symbolic call."""
+def trace_calls(model, layers):
+  """{layer: (args, kwargs, output)} of `layers` from one symbolic call of
+  `model` (a throw-away `tf.function` trace; nothing runs), plus the
+  flattened input tensors under the key None. Empty when the model's
+  inputs are not known."""
   specs = _input_specs(model)
   if specs is None:
     return {}
@@ -40,41 +43,60 @@ def _trace(model, candidates):
   def recording(layer, original):
     def call(*args, **kwargs):
       output = original(*args, **kwargs)
-      records[layer] = (args[0] if args else kwargs.get("inputs"), output)
+      records[layer] = (args, kwargs, output)
       return output
     return call
 
   # Keras calls a quantized layer's `quantized_call` instead of `call`.
   method = lambda layer: ("quantized_call" if getattr(
       layer, "quantization_mode", None) else "call")
-  patched = [layer for layer in candidates if method(layer) not in
-             vars(layer)]
+  patched = [layer for layer in dict.fromkeys(layers)
+             if method(layer) not in vars(layer)]
   for layer in patched:
     object.__setattr__(layer, method(layer), recording(
         layer, getattr(layer, method(layer))))
+
+  def run(x):
+    records[None] = ((), {}, tf.nest.flatten(x))
+    return model(x, training=False)
+
   try:
-    tf.function(lambda x: model(x, training=False),
-                autograph=False).get_concrete_function(specs)
+    tf.function(run, autograph=False).get_concrete_function(specs)
   finally:
     for layer in patched:
       object.__delattr__(layer, method(layer))
   return records
 
 
-def mlp_styles(model, candidates):
+def _trace(model, candidates, calls=None):
+  """{layer: (input tensor, output tensor)} from one symbolic call (or
+  from `calls`, a `trace_calls` result)."""
+  if calls is None:
+    calls = trace_calls(model, candidates)
+  found = {}
+  for layer in candidates:
+    if layer in calls:
+      args, kwargs, output = calls[layer]
+      found[layer] = (args[0] if args else kwargs.get("inputs"), output)
+  return found
+
+
+def mlp_styles(model, candidates, calls=None):
   """{projection layer: COLUMN or ROW} for the model's MLPs.
 
   Args:
     model: a built Keras model with known inputs (functional, Sequential
       or a keras-hub backbone); other models get no MLPs.
     candidates: the Dense and EinsumDense layers that may be split.
+    calls: a `trace_calls` result covering `candidates` (default: traced
+      here).
 
   Returns:
     A dict; each ROW layer's input is computed, through elementwise ops
     only, from the outputs of COLUMN layers (with elementwise activations)
     split along the same axis.
   """
-  records = _trace(model, candidates)
+  records = _trace(model, candidates, calls)
   columns = {}
   for layer, (_, output) in records.items():
     axis = layouts.activation_split_axis(layer, styles.COLUMN)
@@ -103,3 +125,26 @@ def mlp_styles(model, candidates):
     for layer in region.sources.values():
       found[layer] = styles.COLUMN
   return found
+
+
+def reads_model_inputs(calls, layer):
+  """Whether `layer`'s traced input is computed from the model's inputs
+  (False for a position table's ids, `arange` constants), or None when
+  the trace did not record it."""
+  if layer not in calls or None not in calls:
+    return None
+  args, kwargs, _ = calls[layer]
+  x = args[0] if args else kwargs.get("inputs")
+  if not hasattr(x, "op"):  # An eager constant captured by the trace.
+    return False
+  model_inputs = {regions.key(t) for t in calls[None][2] if hasattr(t, "op")}
+  seen, stack = set(), [x]
+  while stack:
+    t = stack.pop()
+    if regions.key(t) in model_inputs:
+      return True
+    if regions.key(t) in seen:
+      continue
+    seen.add(regions.key(t))
+    stack.extend(t.op.inputs)
+  return False

@@ -52,6 +52,7 @@ _HEAD_AXES = {
     "QwenAttention": (-2,),
     "CachedMistralAttention": (-2,),
     "CachedGemmaAttention": (-4, -3),  # [batch, kv heads, groups, t, s]
+    "CachedGemma3Attention": (-4, -3),
 }
 
 
@@ -84,6 +85,8 @@ def attention_dropout(layer):
         layer, keras_attention.QUERY_HEADS, purpose),))
   else:
     family = families.family_of(layer)
+    if isinstance(family, families.TracedFamily):
+      return None, None  # Refused with a dropout rate (builtin.py).
     if family.class_name not in _HEAD_AXES:
       raise ValueError(
           f"Tensor parallelism does not know where layer "
