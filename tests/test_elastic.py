@@ -170,3 +170,16 @@ def test_a_resume_that_cannot_keep_the_global_batch_is_refused(tmp_path):
                 callbacks=[tfpar.BackupAndRestore(backup_dir, save_freq=2)])
   for got, want in zip(resumed.get_weights(), before):
     np.testing.assert_array_equal(got, want)  # Nothing loaded or trained.
+
+
+def test_get_weights_on_the_chief_alone_under_zero3_is_a_clear_error(
+    tmp_path):
+  launch_common.launch_ok(_WORKER, str(tmp_path), "one_sided_read",
+                          workers=2, devices_per_worker=1)
+  with open(tmp_path / "one_sided.json") as f:
+    result = json.load(f)
+  error = result["error"]
+  assert error.startswith("UnavailableError: worker 1 ("), error
+  assert "is gone" in error and "every worker makes the same call" in error
+  print(f"\none-sided get_weights: the error after {result['seconds']:.1f} s")
+  assert result["seconds"] < 60

@@ -10,6 +10,8 @@ the replicas and workers of the run that finished.
 
 Usage: elastic_worker.py OUT_DIR LAYOUT[,OPTION=VALUE ...] ...
   LAYOUT: dp (`DataParallelStrategy`) or zero3 (with `tfpar.ZeRO(stage=3)`).
+    one_sided_read instead: worker 1 leaves after a ZeRO-3 fit, the chief
+    calls `get_weights()` alone and writes the error to one_sided.json.
   interrupt=E.B: every worker raises before batch B of epoch E (a crash
     of the whole job; the worker goes on to the next layout).
   kill=R.E.B: on the job's restart R (`TFPAR_ELASTIC_RESTART`), worker 1
@@ -108,10 +110,36 @@ def run(out_dir, layout, options):
                  "workers": strategy.mesh.num_workers}, f)
 
 
+def one_sided_read(out_dir):
+  """Worker 1 leaves after training under ZeRO-3; the chief then calls
+  `get_weights()` alone and writes the error it got."""
+  strategy = tfpar.DataParallelStrategy(
+      tfpar.Mesh.from_cluster_resolver(data=-1))
+  with strategy.scope():
+    model = dp_common.build_model()
+  x, y = data()
+  model.fit(x[:48], y[:48], batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+            callbacks=[tfpar.ZeRO(stage=3)])
+  if strategy.mesh.cluster.task_id == 1:
+    os._exit(0)  # pylint: disable=protected-access
+  time.sleep(2)
+  started = time.monotonic()
+  try:
+    model.get_weights()
+    error = None
+  except Exception as failure:  # pylint: disable=broad-except
+    error = f"{type(failure).__name__}: {failure}"
+  with open(os.path.join(out_dir, "one_sided.json"), "w") as f:
+    json.dump({"error": error, "seconds": time.monotonic() - started}, f)
+  os._exit(0)  # pylint: disable=protected-access
+
+
 def main():
   out_dir = sys.argv[1]
   for scenario in sys.argv[2:]:
     layout, *options = scenario.split(",")
+    if layout == "one_sided_read":
+      one_sided_read(out_dir)
     if os.path.exists(os.path.join(out_dir, f"{layout}.json")):
       continue
     run(out_dir, layout, dict(option.split("=", 1) for option in options))

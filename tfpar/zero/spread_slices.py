@@ -101,7 +101,18 @@ def whole_flat(slice_variable, column=0):
   found = _prefetched.get(id(_distributed(slice_variable)))
   if found is not None:
     return found[1][column]
-  return _gather([slice_variable])[0][column]
+  strategy = _distributed(slice_variable).distribute_strategy
+  try:
+    with watchdog.watching(strategy, f"the gather of weight "
+                           f"{slice_variable.name!r}"):
+      return _gather([slice_variable])[0][column]
+  except tf.errors.OpError as error:
+    raise type(error)(error.node_def, error.op, (
+        f"{error.message}\nReading the whole value of {slice_variable.name!r}"
+        f", whose ZeRO slices are spread over the workers (get_weights(), "
+        f"weights, saving), gathers them from every worker: every worker "
+        f"makes the same call at the same point of the program, and none "
+        f"has exited.")) from error
 
 
 @contextlib.contextmanager
