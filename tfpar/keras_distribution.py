@@ -22,14 +22,11 @@ scope:
   model axis, or that no entry matches, stays whole (Keras's rule);
 - an entry that names the batch axis (keras-hub's layout maps shard
   weights over both, as FSDP does) means "spread this weight over the data
-  replicas too": tfpar does that with ZeRO stage 3. With a model axis of
-  size 1 that is `DataParallelStrategy(zero=tfpar.ZeRO(stage=3))`, one
-  strategy. With both axes larger than 1, `from_keras_distribution`
-  returns `tfpar.ZeRO(stage=3)` as a callback for `fit` (not yet folded
-  into `TensorParallelStrategy(zero=...)`: keras-hub's `generate` under
-  tensor parallelism with ZeRO-3 fails), and `set_distribution`, which
-  cannot pass callbacks, warns that it keeps those weights whole over the
-  batch axis.
+  replicas too": tfpar does that with ZeRO stage 3, in the strategy itself
+  (`DataParallelStrategy(zero=tfpar.ZeRO(stage=3))` with a model axis of
+  size 1, `TensorParallelStrategy(..., zero=tfpar.ZeRO(stage=3))` with
+  both), so the strategy is complete alone and `set_distribution` needs no
+  callbacks.
 - an entry for a layer's output (`<layer path>/output`, which Keras's JAX
   backend uses to relayout activations) is left out with a warning: tfpar
   lays out activations itself (Keras's TensorFlow backend has no relayout
@@ -37,7 +34,6 @@ scope:
 """
 
 import collections
-import warnings
 import weakref
 
 import keras
@@ -62,12 +58,10 @@ def from_keras_distribution(distribution):
     A `KerasDistributionSetup`: `strategy, callbacks = ...`. Create and
     compile the model in `strategy.scope()` (or call
     `keras.distribution.set_distribution(distribution)` instead, which
-    makes this strategy the default) and pass `callbacks` to `fit`. They
-    are empty except when a `ModelParallel` whose batch and model axes
-    both have more than one device spreads weights over the batch axis:
-    `[tfpar.ZeRO(stage=3)]` then (not folded into the strategy's `zero=`
-    yet). With a model axis of size 1 the strategy is a
-    `DataParallelStrategy` that applies ZeRO-3 itself.
+    makes this strategy the default). `callbacks` is empty: a layout map
+    that spreads weights over the batch axis gives a strategy that applies
+    ZeRO-3 itself (its `zero=` option). It stays in the result for code
+    written when it carried `tfpar.ZeRO` for `fit`.
 
   Raises:
     ValueError: another kind of distribution, a mesh with more than two
@@ -131,9 +125,9 @@ def from_keras_distribution(distribution):
         zero=zero_callback.ZeRO(stage=3)), [])
   strategy = tensor_strategy.TensorParallelStrategy(
       mesh_lib.Mesh({"data": data, "tensor": tensor}, devices),
-      plan=layout_map_lib.LayoutMapPlan(layout_map, model_axis))
-  callbacks = [zero_callback.ZeRO(stage=3)] if spreads_over_batch else []
-  return KerasDistributionSetup(strategy, callbacks)
+      plan=layout_map_lib.LayoutMapPlan(layout_map, model_axis),
+      zero=zero_callback.ZeRO(stage=3) if spreads_over_batch else None)
+  return KerasDistributionSetup(strategy, [])
 
 
 # How Keras names a layer's output in a layout map (`Layer.__call__`).
@@ -209,9 +203,7 @@ def set_distribution(value):
   if value is not None:
     strategy = _strategies.get(value)
     if strategy is None:
-      strategy, callbacks = from_keras_distribution(value)
-      if callbacks:
-        _warn_callbacks_dropped(value, callbacks)
+      strategy, _ = from_keras_distribution(value)
       _strategies[value] = strategy
   if tf.distribute.has_strategy() and (
       tf.distribute.get_strategy() is not _default[0]):
@@ -224,19 +216,6 @@ def set_distribution(value):
     tf.distribute.experimental_set_strategy(strategy)
     _default[0] = strategy
   return original(value)
-
-
-def _warn_callbacks_dropped(value, callbacks):
-  warnings.warn(
-      f"keras.distribution.set_distribution: the LayoutMap of {value!r} "
-      f"also spreads weights over the batch axis, which tfpar does with "
-      f"{', '.join(type(c).__name__ for c in callbacks)} callbacks "
-      f"(not folded into TensorParallelStrategy(zero=...) yet); "
-      f"set_distribution cannot pass callbacks to fit, so those weights "
-      f"are split over the model axis only and kept whole over the batch "
-      f"axis. To spread them too, use strategy, callbacks = "
-      f"tfpar.from_keras_distribution(distribution) and pass the callbacks "
-      f"to fit.", stacklevel=3)
 
 
 _keras_set_distribution = [None]

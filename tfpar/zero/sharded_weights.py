@@ -215,18 +215,30 @@ def _recomputed(call, unit):
     autocast = keras_variables.get_autocast_scope()
     autocast_dtype = autocast.dtype if autocast is not None else None
 
+    # `tf.recompute_grad` adds a float to each of its arguments: a mask
+    # or token ids (bool, int) given by position is held, not passed.
+    floating = [index for index, arg in enumerate(args) if _floating(arg)]
+
     def run(*inputs):
       runs.append(None)
       previous = getattr(_phase, "current", instrument.FORWARD)
       _phase.current = instrument.BACKWARD if len(runs) > 1 else previous
+      merged = list(args)
+      for index, value in zip(floating, inputs):
+        merged[index] = value
       try:
         with keras_variables.AutocastScope(autocast_dtype), \
             buckets.running(unit):
-          return call(*inputs, **kwargs)
+          return call(*merged, **kwargs)
       finally:
         _phase.current = previous
-    return tf.recompute_grad(run)(*args)
+    return tf.recompute_grad(run)(*[args[index] for index in floating])
   return wrapped
+
+
+def _floating(value):
+  dtype = getattr(value, "dtype", None)
+  return dtype is not None and tf.as_dtype(dtype).is_floating
 
 
 def _kept(call, unit):
