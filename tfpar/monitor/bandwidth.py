@@ -32,19 +32,21 @@ class Collective:
   Attributes:
     kind: one of `KINDS`.
     device: the device that runs it.
-    size: nccl-tests' buffer size in bytes (see the module doc).
+    size: nccl-tests' buffer size in bytes (see the module doc), or None
+      for a dynamic shape (a sparse gradient's gather).
     group_size: devices in its group, or None when not static.
   """
   kind: str
   device: str
-  size: int
+  size: Optional[int]
   group_size: Optional[int]
 
   @property
   def bus_bytes(self):
     """`size` x the bus factor of its kind and group (None if unknown)."""
-    return None if self.group_size is None else self.size * bus_factor(
-        self.kind, self.group_size)
+    if self.group_size is None or self.size is None:
+      return None
+    return self.size * bus_factor(self.kind, self.group_size)
 
 
 def bus_factor(kind, n):
@@ -83,21 +85,16 @@ def collective_of(op, device):
     device: the device it runs on (its own, or its caller's).
 
   Returns:
-    A `Collective`, or None. Its size is None-free: a collective with a
-    dynamic shape raises.
-
-  Raises:
-    ValueError: a collective's input has a dynamic shape.
+    A `Collective`, or None.
   """
   kind = _OP_KINDS.get(op.type)
   if kind is None:
     return None
   value = op.inputs[0]
-  if not value.shape.is_fully_defined():
-    raise ValueError(f"collective {op.name!r} ({op.type}) has a dynamic "
-                     f"shape {value.shape}")
-  size = value.shape.num_elements() * value.dtype.size
   group = _group_size(op)
-  if kind == "all-gather":
-    size *= group or 1
-  return Collective(kind, device, int(size), group)
+  size = None
+  if value.shape.is_fully_defined():
+    size = value.shape.num_elements() * value.dtype.size
+    if kind == "all-gather":
+      size = None if group is None else size * group
+  return Collective(kind, device, size, group)

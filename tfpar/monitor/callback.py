@@ -73,7 +73,7 @@ class TrainingMonitor(keras.callbacks.Callback):
   (the collectives run during part of it, so the link ran at least that
   fast). FLOPs are those of the matrix products of this process's devices
   (docs/monitor.md says what is counted). A stock `MirroredStrategy`
-  copies between devices without collectives: its bytes are "unknown".
+  copies between devices outside collectives: its bytes are "unknown".
 
   Args:
     every: steps between reports.
@@ -191,8 +191,12 @@ class TrainingMonitor(keras.callbacks.Callback):
     if count is not None and count.dtypes:
       dtype = max(count.dtypes, key=count.dtypes.get)
       peak, _ = peak_lib.step_peak(devices, dtype, self.peak_flops)
-    known = count is not None and (bool(count.collectives) or
-                                   len(devices) == 1)
+    # Collective strategies (tfpar's, MultiWorkerMirrored) move their
+    # bytes in the collectives counted; stock Mirrored copies between
+    # devices outside them.
+    known = count is not None and (len(devices) == 1 or isinstance(
+        self.model.distribute_strategy,
+        tf.distribute.MultiWorkerMirroredStrategy))
     row = report_lib.build(
         self._step, self._seconds / self._timed_steps, samples, tokens,
         count, peak, known, memory_stats.device_memory(self.model, devices))

@@ -48,16 +48,20 @@ class StepCount:
     self.loops = self.loops or other.loops
 
   def bytes_by_kind(self):
-    """{kind: (size, bus bytes or None)} of the busiest device per kind."""
+    """{kind: (size, bus bytes)} of the busiest device per kind; (None,
+    None) for a kind with a collective of dynamic shape."""
     per_device = collections.defaultdict(lambda: [0, 0])
     for c in self.collectives:
       entry = per_device[(c.kind, c.device)]
-      entry[0] += c.size
+      entry[0] = None if entry[0] is None or c.size is None else (
+          entry[0] + c.size)
       entry[1] = None if entry[1] is None or c.bus_bytes is None else (
           entry[1] + c.bus_bytes)
     totals = {}
     for (kind, _), (size, bus) in per_device.items():
-      if kind not in totals or size > totals[kind][0]:
+      if size is None or totals.get(kind, (0,))[0] is None:
+        totals[kind] = (None, None)
+      elif kind not in totals or size > totals[kind][0]:
         totals[kind] = (size, bus)
     return totals
 
@@ -74,7 +78,7 @@ def canonical_device(name):
 
 
 def _weight(count):
-  return (count.total_flops, sum(c.size for c in count.collectives))
+  return (count.total_flops, sum(c.size or 0 for c in count.collectives))
 
 
 def count_graph(graph, device="", in_loop=False):
@@ -90,7 +94,6 @@ def count_graph(graph, device="", in_loop=False):
 
   Raises:
     flops.UnknownShape: a matrix product has a dynamic shape.
-    ValueError: a collective has a dynamic shape.
 
   Example:
 

@@ -6,6 +6,7 @@ import os
 from tfpar import mesh as mesh_lib
 from tfpar.data_parallel import DataParallelStrategy
 from tfpar.expert_parallel import ExpertParallelStrategy
+from tfpar.monitor.callback import TrainingMonitor
 from tfpar.pipeline import PipelineParallelStrategy
 from tfpar.recipes import files
 from tfpar.recipes import rules
@@ -152,7 +153,8 @@ def make_callbacks(recipe):
 
   Returns:
     A `RecipeTraining` for a recipe with a `[training]` table, then
-    `tfpar.ZeRO(...)` for a recipe with a `[zero]` table.
+    `tfpar.ZeRO(...)` for a recipe with a `[zero]` table, then
+    `tfpar.TrainingMonitor(...)` for a recipe with a `[monitor]` table.
 
   Example:
 
@@ -165,4 +167,6 @@ def make_callbacks(recipe):
     callbacks.append(training.RecipeTraining(recipe))
   if recipe.zero is not None:
     callbacks.append(ZeRO(**recipe.zero))
+  if recipe.monitor is not None:
+    callbacks.append(TrainingMonitor(**recipe.monitor))
   return callbacks

@@ -21,6 +21,10 @@ A recipe is a TOML table:
   precision = "mixed_bfloat16"
   gradient_accumulation_steps = 4
 
+  [monitor]            # optional: the tfpar.TrainingMonitor callback
+  every = 50
+  csv_path = "run.csv"
+
 Every problem is a `ValueError` that names the key, its value and the rule.
 Pure Python: `tfpar launch` checks recipes without importing TensorFlow.
 """
@@ -66,6 +70,8 @@ class Recipe:
       "builtin": bool}`, or None for the built-in plans.
     training: the `[training]` table (`precision`: a Keras dtype policy
       name, `gradient_accumulation_steps`), or None.
+    monitor: keyword arguments of `tfpar.TrainingMonitor` (`every`,
+      `csv_path`, `log_dir`, `peak_flops`), or None.
 
   Example:
 
@@ -84,6 +90,7 @@ class Recipe:
   summary: str = ""
   plan: dict = None
   training: dict = None
+  monitor: dict = None
 
   def describe(self):
     """One line: the strategy kind, its options, the mesh, ZeRO and plan.
@@ -104,8 +111,10 @@ class Recipe:
     plan = f", {plan_table.describe(self.plan)}" if self.plan else ""
     training = "".join(f", {k}={v!r}" for k, v in (self.training or
                                                    {}).items())
+    monitor = "" if self.monitor is None else (
+        f", monitor every {self.monitor.get('every', 10)} steps")
     return (f"{self.name}: {self.kind}{options} on mesh {mesh}{zero}{plan}"
-            f"{training}")
+            f"{training}{monitor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +148,10 @@ def _accumulation_steps(value):
 def _positive_number(value):
   return (isinstance(value, (int, float)) and not isinstance(value, bool) and
           value > 0)
+
+
+def _path(value):
+  return isinstance(value, str) and bool(value)
 
 
 def _stages(value):
@@ -188,9 +201,18 @@ _SECTIONS = {
             "must be an integer of at least 2 (leave it out for no "
             "accumulation)", _accumulation_steps),
     },
+    "monitor": {
+        "every": _Key("must be a positive integer (steps between reports)",
+                      _positive_int),
+        "csv_path": _Key("must be a non-empty path string", _path),
+        "log_dir": _Key("must be a non-empty path string", _path),
+        "peak_flops": _Key("must be a positive number (FLOP/s of one "
+                           "device)", _positive_number),
+    },
 }
 # Optional section: the kinds it is for.
-_OPTIONAL = {"zero": _DENSE, "plan": plan_table.KINDS, "training": KINDS}
+_OPTIONAL = {"zero": _DENSE, "plan": plan_table.KINDS, "training": KINDS,
+             "monitor": KINDS}
 _TOP = ("summary",) + tuple(_SECTIONS)
 
 
@@ -199,8 +221,8 @@ def keys():
 
   Example:
 
-  >>> keys()[:7]
-  ['summary', 'strategy', 'mesh', 'zero', 'plan', 'training', 'strategy.kind']
+  >>> keys()[:8]
+  ['summary', 'strategy', 'mesh', 'zero', 'plan', 'training', 'monitor', 'strategy.kind']
   """
   return list(_TOP) + [f"{section}.{key}" for section, table in
                        _SECTIONS.items() for key in table]
@@ -271,8 +293,9 @@ def validate(raw, name="recipe", path=""):
             "offload": None if offload == "none" else offload}
   plan = plan_table.read(where, tables["plan"]) if "plan" in raw else None
   training = dict(tables["training"]) if "training" in raw else None
+  monitor = dict(tables["monitor"]) if "monitor" in raw else None
   recipe = Recipe(name, path, kind, mesh, options, zero, summary, plan,
-                  training)
+                  training, monitor)
   rules.check_combination(recipe, mesh_shape(mesh), where)
   return recipe
 
