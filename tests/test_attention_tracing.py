@@ -2,9 +2,10 @@
 (tfpar/tensor_parallel/attention_trace.py): keras-hub SmolLM3 (queries,
 keys and values from Dense kernels reshaped into heads), Falcon (a
 per-head alibi argument), Bloom (AlibiBias inside the layer) and GPT-NeoX
-(a fused query-key-value kernel) under data 2 x tensor 2 against one
-device, each attention split as Megatron splits it; attention tracing
-cannot split is a ValueError."""
+(a fused query-key-value kernel), Qwen3 (query and key norms on each
+device's heads) and Gemma3 (a table entry: grouped scores) under data 2
+x tensor 2 against one device, each attention split as Megatron splits
+it; attention tracing cannot split is a ValueError."""
 
 import keras
 import keras_hub
@@ -27,6 +28,18 @@ FAMILIES = {
         mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=32,
         rope_theta=10000.0, partial_rotary_factor=1.0),
                 ("q_proj", "k_proj", "v_proj"), "o_proj"),
+    # Query and key norms applied to each device's heads: their gradients
+    # summed over the tensor group (found by tracing; Gemma3's by table).
+    "qwen3": (lambda: M.Qwen3Backbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
+        num_key_value_heads=2, head_dim=8, hidden_dim=32,
+        intermediate_dim=64),
+              ("query", "key", "value"), "attention_output"),
+    "gemma3": (lambda: M.Gemma3Backbone(
+        vocabulary_size=VOCAB, image_size=16, num_layers=1,
+        num_query_heads=4, num_key_value_heads=2, hidden_dim=32,
+        intermediate_dim=64, head_dim=8, vision_encoder=None),
+               ("query", "key", "value"), "attention_output"),
     "falcon": (lambda: M.FalconBackbone(
         vocabulary_size=VOCAB, num_layers=1, num_attention_heads=4,
         hidden_dim=32, intermediate_dim=64),

@@ -56,6 +56,9 @@ class Attention:
       the owner's call arguments that carry a per-head term (a bias over
       all heads, like Falcon's alibi): each device takes its heads.
     problem: why it cannot be split by heads, or None.
+    head_local: the owner's sublayers with trainable weights applied to
+      the heads (query/key norms): each device's gradient covers its
+      heads only, summed over the tensor group.
   """
   owner: object
   projections: dict
@@ -64,6 +67,7 @@ class Attention:
   head_dim: int
   head_arguments: tuple = ()
   problem: object = None
+  head_local: tuple = ()
 
   @property
   def fused(self):
@@ -97,6 +101,15 @@ def _projections_reached(tensor, outputs):
     if stopped and outputs[regions.key(t)] not in found:
       found.append(outputs[regions.key(t)])
   return found
+
+
+def reads_projections(call, projections, calls):
+  """Whether a recorded call's input is computed from the outputs of
+  `projections` (recorded in `calls`)."""
+  args, kwargs, _ = call
+  x = args[0] if args else kwargs.get("inputs")
+  outputs = {regions.key(calls[p][2]): p for p in projections if p in calls}
+  return hasattr(x, "op") and bool(_projections_reached(x, outputs))
 
 
 def _score_product(softmax):

@@ -4,12 +4,12 @@ import keras
 
 from tfpar._compat import keras_attention
 from tfpar._compat import keras_layers
-from tfpar.tensor_parallel import attention_trace
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import lora
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
+from tfpar.tensor_parallel import traced_attention
 
 
 
@@ -132,6 +132,7 @@ def _resolve_attention(layer, family, user, tensor_size, use_builtin):
     return _projection_layout(dense, dense_kind, style, source, tensor_size)
 
   if family is not None:
+    family.head_local_weights(layer)  # Refuses weights it cannot place.
     return [layouts.LayerLayout(layer, kind, styles.COLUMN,
                                 families.resolved_variables(
                                     layer, family, tensor_size, source,
@@ -232,63 +233,6 @@ def _resolve_embedding(layer, user, tensor_size, use_builtin,
       _variable(v, style, axis, source) for v, axis in tables))
 
 
-def _traced_attention(model, projections, embeddings, handled, user,
-                      tensor_size):
-  """(`LayerLayout`s of the attention layers tracing finds, the
-  projections left, the trace, which records `embeddings` too)
-  (`attention_trace.py`)."""
-  containers = {}
-  for layer in keras_layers.flatten_layers(model, include_self=False,
-                                           recursive=True):
-    if isinstance(layer, keras.Model) or layer in handled:
-      continue
-    inner = list(keras_layers.flatten_layers(layer, include_self=False))
-    if sum(1 for x in inner if any(x is p for p in projections)) >= 2:
-      containers[layer] = inner
-  biases = [x for inner in containers.values() for x in inner
-            if type(x).__name__ in families.HEAD_BIAS_LAYERS]
-  calls = structure.trace_calls(model, projections + list(containers) +
-                                biases + embeddings)
-  found = attention_trace.find(
-      calls, projections, containers,
-      [attention_trace.regions.key(calls[b][2]) for b in biases
-       if b in calls])
-  resolved, taken = [], set()
-  for attention in found:
-    parts = list(attention.projections.values())
-    if any(v.path in user for p in parts for v in p.weights):
-      continue  # The rules decide, projection by projection.
-    owner = attention.owner
-    family = families.traced_family(owner, attention)
-    _check_traced(owner, family, tensor_size)
-    families.mark_traced(owner, family)
-    resolved.extend(_resolve_attention(owner, family, user, tensor_size,
-                                       True))
-    taken.update(id(p) for p in parts)
-  return resolved, [p for p in projections if id(p) not in taken], calls
-
-
-def _check_traced(layer, family, tensor_size):
-  """Refuses what a traced attention cannot run split by heads."""
-  query, key_value = family.head_counts(layer)
-  for sub in keras_layers.flatten_layers(layer, include_self=False):
-    if isinstance(sub, keras.layers.Dropout) and sub.rate:
-      raise ValueError(
-          f"Tensor parallelism cannot split layer {layer.name!r} "
-          f"({type(layer).__name__}) by heads with its dropout sublayer "
-          f"{sub.name!r} (rate={sub.rate!r}): tfpar draws one device's "
-          f"mask only for the attention dropout of the classes in "
-          f"tfpar/tensor_parallel/families.py. Use rate 0 there.")
-  if key_value % tensor_size and query % tensor_size == 0:
-    raise ValueError(
-        f"Layer {layer.name!r} ({type(layer).__name__}): {key_value} "
-        f"key/value heads are not divisible by the mesh's tensor size "
-        f"{tensor_size}; devices share key/value heads only for the "
-        f"classes in tfpar/tensor_parallel/families.py. Choose a tensor "
-        f"size that divides {key_value} or give the layer's weights "
-        f"tfpar.Replicate().")
-
-
 def resolve_layers(model, user, tensor_size, use_builtin=True):
   """`LayerLayout`s of every Dense, EinsumDense, Embedding and attention
   layer of `model` (sharded or not).
@@ -321,8 +265,9 @@ def resolve_layers(model, user, tensor_size, use_builtin=True):
       projections.append(layer)
   calls = None
   if use_builtin and (projections or embeddings):
-    traced, projections, calls = _traced_attention(
-        model, projections, embeddings, handled, user, tensor_size)
+    traced, projections, calls = traced_attention.resolve(
+        model, projections, embeddings, handled, user, tensor_size,
+        _resolve_attention)
     resolved.extend(traced)
   for layer in embeddings:
     positions = (type(layer) is keras.layers.Embedding and calls is not None

@@ -3,9 +3,8 @@
 Splitting by heads runs the layer's own `call` once per device with the
 local head counts (`spmd/layers._install_heads`). Attention layers are
 found by tracing the model (`attention_trace.py`): the projections and
-the head counts come from the graph, and `TracedFamily` sets the owner's
-head-count attributes by the names they carry (`_HEADS`, `_GROUPS`,
-`_TOTALS`). This module is the one place of class-specific knowledge,
+the head counts come from the graph, and `traced_families.TracedFamily` sets the
+owner's head-count attributes by the names they carry. This module is the one place of class-specific knowledge,
 for what tracing cannot decide:
 
 * `FAMILIES`: classes tfpar knows in full (the attributes holding the
@@ -25,7 +24,6 @@ replica.
 """
 
 import dataclasses
-import re
 from typing import Optional, Tuple
 
 import keras
@@ -34,6 +32,7 @@ from tfpar._compat import keras_attention
 from tfpar._compat import keras_hub_names
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import styles
+from tfpar.tensor_parallel import traced_families
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +49,9 @@ class AttentionFamily:
     groups: attribute holding query heads per key/value head, if any.
     per_head: attributes that are a total over heads (divided with them
       while a device computes its heads).
+    head_local: attributes holding sublayers applied to the heads (query
+      and key norms): their gradients are each device's heads' part,
+      summed over the tensor group.
   """
   class_name: str
   module_prefix: str
@@ -61,11 +63,33 @@ class AttentionFamily:
   key_value_heads: Optional[str] = None
   groups: Optional[str] = None
   per_head: Tuple[str, ...] = ()
+  head_local: Tuple[str, ...] = ()
 
   def projections(self, layer):
     """{role: projection layer}, checked."""
     return {role: _attribute(layer, getattr(self, role), self)
             for role in ("query", "key", "value", "output")}
+
+  def head_local_weights(self, layer):
+    """Trainable weights applied to each device's heads.
+
+    Raises:
+      ValueError: the layer has trainable weights outside its projections
+        and `head_local` (tfpar cannot tell how their gradients add up).
+    """
+    found = [v for name in self.head_local
+             for v in _attribute(layer, name, self).trainable_weights]
+    known = {v.path for v in found} | {
+        v.path for p in self.projections(layer).values() for v in p.weights}
+    for v in layer.trainable_weights:
+      if v.path not in known:
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) has weight "
+            f"{v.path!r} outside its projections, which tfpar's plan for "
+            f"{self.class_name} does not place (its head_local). Give the "
+            f"layer's weights tfpar.Replicate() or update "
+            f"tfpar/tensor_parallel/families.py.")
+    return found
 
   def head_counts(self, layer):
     """(query heads, key/value heads)."""
@@ -110,102 +134,13 @@ FAMILIES = (
     AttentionFamily("CachedGemma3Attention", "keras_hub.",
                     query="query_dense", key="key_dense", value="value_dense",
                     output="output_dense", **_HUB_GQA,
-                    per_head=("hidden_dim",)),
+                    per_head=("hidden_dim",),
+                    head_local=("query_norm", "key_norm")),
 )
 
 # Sublayers (class names) whose call adds to the scores a per-head bias
 # computed from the scores' shape: `f(scores) = scores + bias(shape)`.
 HEAD_BIAS_LAYERS = ("AlibiBias",)
-
-# A traced attention's owner: int attributes named like these hold...
-_HEADS = re.compile(r"^_*(n_head|num_head|(\w+_)?heads)$")  # head counts
-_GROUPS = re.compile(r"^_*\w*groups$")  # query heads per key/value head
-_TOTALS = re.compile(r"^_*\w*hidden\w*$")  # a total over heads (if equal)
-
-
-@dataclasses.dataclass(frozen=True)
-class TracedFamily:
-  """An attention found by tracing (`attention_trace.Attention`), with
-  the interface of `AttentionFamily`.
-
-  Attributes:
-    class_name: the owner's class name.
-    found: the `attention_trace.Attention`.
-    local_names: {attribute: "query", "key_value", "groups" or "total"}.
-  """
-  class_name: str
-  found: object
-  local_names: tuple
-
-  def projections(self, layer):
-    del layer
-    return dict(self.found.projections)
-
-  def head_counts(self, layer):
-    del layer
-    return self.found.query_heads, self.found.key_value_heads
-
-  def local_attributes(self, layer, tensor_size, key_value_local):
-    query_local = self.found.query_heads // tensor_size
-    values = {"query": query_local, "key_value": key_value_local,
-              "groups": query_local // key_value_local}
-    local = {}
-    for name, kind in self.local_names:
-      local[name] = (getattr(layer, name) // tensor_size if kind == "total"
-                     else values[kind])
-    return local
-
-
-def traced_family(layer, found):
-  """The `TracedFamily` of `found` on its owner `layer`.
-
-  Raises:
-    ValueError: the attention cannot be split by heads (`found.problem`),
-      or an attribute named like a head count holds another number.
-  """
-  query, key_value = found.query_heads, found.key_value_heads
-  where = f"Layer {layer.name!r} ({type(layer).__name__})"
-  advice = (f"Give its weights tfpar.Replicate() rules, or add its class "
-            f"to tfpar/tensor_parallel/families.py's FAMILIES.")
-  if found.problem:
-    raise ValueError(f"{where} computes attention (found by tracing), "
-                     f"but tfpar cannot split it by heads: {found.problem}. "
-                     f"{advice}")
-  names = []
-  for name, value in sorted(vars(layer).items()):
-    if not isinstance(value, int) or isinstance(value, bool):
-      continue
-    if _HEADS.match(name):
-      if value == query:
-        names.append((name, "query"))
-      elif value == key_value:
-        names.append((name, "key_value"))
-      else:
-        raise ValueError(
-            f"{where}: its attribute {name!r} = {value} looks like a head "
-            f"count, but tracing found {query} query and {key_value} "
-            f"key/value heads, so tfpar cannot tell what it counts. "
-            f"{advice}")
-    elif _GROUPS.match(name) and key_value and value == query // key_value:
-      names.append((name, "groups"))
-    elif _TOTALS.match(name) and value == query * found.head_dim:
-      names.append((name, "total"))
-  if not any(kind == "query" for _, kind in names):
-    raise ValueError(
-        f"{where} computes attention with {query} heads (found by "
-        f"tracing), but none of its attributes is named like a head count "
-        f"(num_heads, num_query_heads...), so tfpar cannot run its call on "
-        f"one device's heads. {advice}")
-  return TracedFamily(type(layer).__name__, found, tuple(names))
-
-
-_TRACED = "_tfpar_traced_attention"
-
-
-def mark_traced(layer, family):
-  """Records `family` (a `TracedFamily`) as `layer`'s, for `family_of`."""
-  object.__setattr__(layer, _TRACED, family)
-
 
 def family_of(layer):
   """The `AttentionFamily` of `layer`, or its `TracedFamily`, or None.
@@ -216,7 +151,7 @@ def family_of(layer):
   with its own head-split call).
   """
   family = table_family_of(layer)
-  return family if family is not None else getattr(layer, _TRACED, None)
+  return family if family is not None else traced_families.marked(layer)
 
 
 def table_family_of(layer):

@@ -40,6 +40,7 @@ from tfpar._compat.checks import member
 from tfpar.engine.per_device import collectives
 from tfpar.tensor_parallel import families
 from tfpar.tensor_parallel import layouts
+from tfpar.tensor_parallel import traced_families
 from tfpar.tensor_parallel.spmd import sequence
 
 # {family class name: axes of its attention Dropout's input holding the
@@ -85,7 +86,7 @@ def attention_dropout(layer):
         layer, keras_attention.QUERY_HEADS, purpose),))
   else:
     family = families.family_of(layer)
-    if isinstance(family, families.TracedFamily):
+    if isinstance(family, traced_families.TracedFamily):
       return None, None  # Refused with a dropout rate (builtin.py).
     if family.class_name not in _HEAD_AXES:
       raise ValueError(

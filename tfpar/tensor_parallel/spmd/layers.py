@@ -42,6 +42,7 @@ from tfpar.tensor_parallel import shared_heads
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles
 from tfpar.tensor_parallel.spmd import embeddings
+from tfpar.tensor_parallel.spmd import head_terms
 from tfpar.tensor_parallel.spmd import quantized as quantized_lib
 from tfpar.tensor_parallel.spmd import terms
 
@@ -199,11 +200,15 @@ def _install_heads(layer_layout, memo):
   arguments = found.head_arguments if found is not None else ()
   for sub in keras_layers.flatten_layers(layer, include_self=False):
     if type(sub).__name__ in families.HEAD_BIAS_LAYERS:
-      _set_call(sub, _head_bias(sub, memo, query))
+      _set_call(sub, head_terms.head_bias(sub, memo, query))
+
+  head_local = family.head_local_weights(layer)
 
   def call(*args, **kwargs):
+    memo.mark_partial(head_local)  # Each device's heads' gradient.
     if arguments:
-      args, kwargs = _device_heads_of_arguments(args, kwargs, arguments, t)
+      args, kwargs = head_terms.device_heads_of_arguments(args, kwargs,
+                                                          arguments, t)
     if memo.slices is not None and collectives.current_slot() is not None:
       # In a block run on sequence slices: the whole sequence (rotary
       # positions, scores), gathered once for all its projections.
@@ -235,42 +240,6 @@ def _install_heads(layer_layout, memo):
           f"(generate) the output and the device's heads' cache, only.")
     return result
   _set_call(layer, call)
-
-
-def _device_index():
-  slot = collectives.current_slot()
-  return 0 if slot is None else slot.tensor_index
-
-
-def _device_heads(x, axis, tensor_size):
-  """This device's heads of a tensor over all heads along `axis`."""
-  return ops.split(x, tensor_size, axis=axis)[_device_index()]
-
-
-def _device_heads_of_arguments(args, kwargs, arguments, tensor_size):
-  """The call's arguments with this device's heads of those carrying a
-  per-head term (`attention_trace.Attention.head_arguments`)."""
-  args, kwargs = list(args), dict(kwargs)
-  for where, axis in arguments:
-    if isinstance(where, int) and where < len(args):
-      args[where] = _device_heads(args[where], axis, tensor_size)
-    elif where in kwargs and kwargs[where] is not None:
-      kwargs[where] = _device_heads(kwargs[where], axis, tensor_size)
-  return tuple(args), kwargs
-
-
-def _head_bias(layer, memo, heads):
-  """A sublayer adding a per-head bias computed from the scores' shape
-  (`families.HEAD_BIAS_LAYERS`, scores [batch, heads, query, key]) on one
-  device's heads: the bias of all heads, from a stand-in of their shape,
-  then this device's part added."""
-  original = type(layer).call.__get__(layer)
-
-  def call(scores, *args, **kwargs):
-    stand_in = ops.zeros((1, heads, 1, ops.shape(scores)[-1]), scores.dtype)
-    bias = original(stand_in, *args, **kwargs)
-    return ops.add(scores, _device_heads(bias, -3, memo.groups.tensor_size))
-  return call
 
 
 def _set_call(layer, call):
