@@ -1,15 +1,13 @@
 """keras-hub's private attribute names tfpar reads.
 
-keras-hub keeps the head counts of some attention layers and the expert
-weights and router of its mixture-of-experts blocks in private attributes.
-tfpar's family tables (tensor_parallel/families.py,
-expert_parallel/families.py) name them through these constants and check
-each one on the layer before splitting it, so a keras-hub upgrade that
-renamed one stops with an error naming it instead of replicating the
-layer.
+keras-hub keeps the head counts of some attention layers in private
+attributes. tensor_parallel/families.py names them through these
+constants and checks each one on the layer before splitting it, so a
+keras-hub upgrade that renamed one stops with an error naming it instead
+of replicating the layer. (Mixture-of-experts blocks need no names here:
+expert_parallel/structure.py finds their router and experts from their
+layers and weights.)
 """
-
-from tfpar._compat.checks import require
 
 # CachedMistralAttention (Mistral, Mixtral) keeps its head counts private.
 MISTRAL_HEADS = dict(query_heads="_num_query_heads",
@@ -25,18 +23,3 @@ ATTENTION_DROPOUT = {
     "CachedGemmaAttention": "dropout_layer",
     "CachedGemma3Attention": "dropout_layer",
 }
-
-# The expert weights ([num_experts, ...]) of an MoE block's expert bank.
-MIXTRAL_EXPERT_WEIGHTS = ("_expert_feedforward_gate_dense",
-                          "_expert_feedforward_intermediate_dense",
-                          "_expert_feedforward_output_dense")
-QWEN_MOE_EXPERT_WEIGHTS = ("_expert_feedforward_gate_dense",
-                           "_expert_feedforward_output_dense")
-
-# An MoE block's router (a Dense from hidden size to num_experts).
-MOE_ROUTER = "_sparse_feedforward_gate_dense"
-
-
-def router(block):
-  """An MoE block's router layer."""
-  return require(block, MOE_ROUTER, "mixture-of-experts routing")

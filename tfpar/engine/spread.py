@@ -219,6 +219,9 @@ class SpreadVariable:
   def __tf_tensor__(self, dtype=None, name=None):
     return tf.convert_to_tensor(self.read_value(), dtype=dtype, name=name)
 
+  def __getitem__(self, index):  # A layer slicing its weight (GPT-OSS).
+    return self.read_value()[index]
+
   def numpy(self):
     return self.read_value().numpy()
 

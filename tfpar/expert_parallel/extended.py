@@ -5,7 +5,6 @@ their calls share is a `context.MoEContext`."""
 import numpy as np
 import tensorflow as tf
 
-from tfpar._compat import keras_hub_names
 from tfpar.common import whole_weights
 from tfpar.engine import extended as engine_extended
 from tfpar.expert_parallel import context as context_lib
@@ -65,16 +64,23 @@ class ExpertSplitting:
       ValueError: the model has no MoE block, or a block whose experts or
         top-k do not fit the expert size.
     """
+    unknown = families.unknown_moe_blocks(model)
+    if unknown:
+      raise ValueError(
+          f"Model {model.name!r} has mixture-of-experts layer(s) tfpar does "
+          f"not know: "
+          f"{', '.join(f'{b.path!r} ({type(b).__name__})' for b in unknown)}"
+          f" (known: {', '.join(families.ROWS)}). Their experts would stay "
+          f"replicated; add the class's row to ROWS in "
+          f"tfpar/expert_parallel/families.py.")
     blocks = families.moe_blocks(model)
     if not blocks:
       raise ValueError(
           f"Model {model.name!r} has no mixture-of-experts layer that "
-          f"tfpar can split (known: "
-          f"{', '.join(f.name for f in families.FAMILIES)}); use "
+          f"tfpar can split (known: {', '.join(families.ROWS)}); use "
           f"tfpar.DataParallelStrategy for it.")
-    for block, family in blocks:
+    for block, _ in blocks:
       check_block(block, self._context.groups.expert, self._context.columns)
-      check_layout(block, family)
     return [(block, family) for block, family in blocks
             if not (unsplit and getattr(block, "_tfpar_experts_split", False))]
 
@@ -83,7 +89,7 @@ class ExpertSplitting:
     weights this layout splits, which the other parallelism of the mesh
     must leave where they were created."""
     return frozenset(
-        getattr(block.expert_bank, name).path
+        getattr(family.bank, name).path
         for block, family in self.checked_blocks(model, unsplit)
         for name in family.expert_weight_names)
 
@@ -104,7 +110,7 @@ class ExpertSplitting:
     ranks, slots = self.expert_slots()
     with self._container_strategy().scope():
       for block, family in blocks:
-        bank = block.expert_bank
+        bank = family.bank
         for name in family.expert_weight_names:
           variable = getattr(bank, name)
           weight = variables_lib.split_expert_weight(
@@ -189,20 +195,3 @@ def check_block(block, expert, tensor=1):
         f"Layer {block.path!r}: top_k={top_k} must be between 1 and "
         f"num_experts={num_experts} (each token picks top_k distinct "
         f"experts).")
-
-
-def check_layout(block, family):
-  """Raises if keras-hub moved the weights tfpar reads (an upgrade)."""
-  wanted = [("block", block, family.router or keras_hub_names.MOE_ROUTER),
-            ("block", block, "expert_bank")]
-  bank = getattr(block, "expert_bank", None)
-  wanted += [("expert bank", bank, name)
-             for name in family.expert_weight_names]
-  missing = [f"{where}.{name}" for where, owner, name in wanted
-             if owner is None or not hasattr(owner, name)]
-  if missing:
-    raise ValueError(
-        f"Layer {block.path!r} ({type(block).__name__}) lacks "
-        f"{', '.join(missing)}: this keras-hub version lays out its MoE "
-        f"block differently from the one tfpar knows, so its experts "
-        f"cannot be split.")

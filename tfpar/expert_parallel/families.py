@@ -1,159 +1,111 @@
-"""The mixture-of-experts layers tfpar splits over the expert group.
+"""The mixture-of-experts blocks tfpar splits over the expert group: one
+table, `ROWS`.
 
-A `Family` says where an MoE block keeps its router and experts and how it
-computes, so that `layers.py` can run the block expert-parallel with
-keras-hub's own weights and activation. Registered: keras-hub's
-`MixtralSparseMoeBlock` and `QwenSparseMoeBlock` (Qwen-MoE, with its shared
-expert), and the block inside tfpar's own `tfpar.MoE` layer
-(`moe_block.MoEBlock`, gated or plain experts).
+A row says what an MoE block class does that its layers do not show (how
+its router's output becomes each token's experts and weights, its
+load-balancing loss); its router, stacked experts and shared expert are
+found from its layers and weights (`structure.py`), and its experts run
+through the block's own expert bank. Adding a keras-hub MoE family is one
+row here.
+
+A layer that looks like an MoE block (`num_experts`, `top_k` and a
+sublayer of stacked [num_experts, ...] weights) but has no row is refused
+by the strategies rather than left replicated (`unknown_moe_blocks`).
 """
 
-import dataclasses
-from typing import Callable, Optional
-
-import tensorflow as tf
-
-from tfpar._compat import keras_hub_names
 from tfpar._compat import keras_layers
-from tfpar.expert_parallel import expert_bank
 from tfpar.expert_parallel import moe_block
+from tfpar.expert_parallel import structure
+
+_QWEN_AUX = "router_aux_loss_coefficient"
+
+# {block class name: structure.Row}. keras-hub's classes (matched by name
+# in the `keras_hub` package) and `tfpar.MoE`'s block.
+ROWS = {
+    # softmax, top-k, weights renormalized; jitter on the router's input.
+    "MixtralSparseMoeBlock": structure.Row(
+        normalize=True, aux_coefficient="router_aux_loss_coef",
+        jitter="router_jitter_noise"),
+    # softmax, top-k, renormalized if norm_top_k_prob; shared expert.
+    "QwenSparseMoeBlock": structure.Row(
+        normalize="norm_top_k_prob", aux_coefficient=_QWEN_AUX),
+    "Qwen3SparseMoeBlock": structure.Row(
+        normalize="norm_top_k_prob", aux_coefficient=_QWEN_AUX),
+    # softmax, top-k, always renormalized; shared expert.
+    "Qwen3_5MoeSparseMoeBlock": structure.Row(
+        normalize=True, aux_coefficient=_QWEN_AUX),
+    # The router (with bias) returns scores: softmax over the top-k logits.
+    # No load-balancing loss.
+    "GptOssSparseMoeBlock": structure.Row(scores=True),
+    # tfpar.MoE.
+    "MoEBlock": structure.Row(
+        normalize="normalize_top_k", aux_coefficient="aux_loss_coefficient",
+        contraction="matmul", bank_compute="compute"),
+}
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-  """How one MoE block class is laid out.
-
-  Attributes:
-    name: the block's class name (a keras-hub class), or a label when
-      `matches` is given.
-    expert_weight_names: attributes of `block.expert_bank` holding the
-      [num_experts, ...] expert weights, in the order `experts` takes them.
-    experts: `experts(bank, weights, x)`: x [E_local, N, h] through the
-      local experts, whose weights are `weights`.
-    normalize: `normalize(block)`: whether the top-k weights are divided
-      by their sum.
-    aux_coefficient: the block's attribute with the loss coefficient.
-    flat_mask: `flat_mask(attention_mask)`: [T] mask of the tokens that
-      count in the load-balancing loss.
-    extra: `extra(block, x_flat)`: what the block adds to the experts'
-      output (a shared expert), or None.
-    jitter: the block's attribute with the router's jitter noise, or None.
-    matches: `matches(layer)`: whether `layer` is of this family; None for
-      an instance of the keras-hub class `name`.
-    router: the block's attribute holding its router layer; None for
-      keras-hub's (private) name.
-    contraction: how the block's own (dense) call sums each token's
-      weighted expert outputs, for `routing.combine` to round as it does:
-      "multiply" (products, then a sum: keras-hub's) or "matmul"
-      (`moe_block`'s, which calls `routing.combine` itself).
-  """
-  name: str
-  expert_weight_names: tuple
-  experts: Callable
-  normalize: Callable
-  aux_coefficient: str
-  flat_mask: Callable
-  extra: Optional[Callable] = None
-  jitter: Optional[str] = None
-  matches: Optional[Callable] = None
-  router: Optional[str] = None
-  contraction: str = "multiply"
-
-  def router_of(self, block):
-    """The block's router layer."""
-    if self.router is None:
-      return keras_hub_names.router(block)
-    return getattr(block, self.router)
-
-
-def _mixtral_experts(bank, weights, x):
-  gate_kernel, intermediate_kernel, output_kernel = weights
-  gate = tf.einsum("enh,ehm->enm", x, gate_kernel)
-  gate = tf.cast(bank.activation(tf.cast(gate, "float32")), x.dtype)
-  intermediate = tf.einsum("enh,ehm->enm", x, intermediate_kernel)
-  return tf.einsum("enm,emh->enh", intermediate * gate, output_kernel)
-
-
-def _qwen_experts(bank, weights, x):
-  gate_up_kernel, output_kernel = weights
-  gate, up = tf.split(tf.einsum("enh,ehm->enm", x, gate_up_kernel), 2,
-                      axis=-1)
-  return tf.einsum("enm,emh->enh", up * bank.activation(gate), output_kernel)
-
-
-def _tfpar_experts(bank, weights, x):
-  return bank.compute(weights, x)
-
-
-def _tfpar_block(gated):
-  return lambda layer: (isinstance(layer, moe_block.MoEBlock) and
-                        layer.gated == gated)
-
-
-def _mixtral_mask(attention_mask):
-  return tf.reshape(attention_mask, [-1])
-
-
-def _qwen_mask(attention_mask):
-  return tf.reshape(tf.reduce_any(tf.cast(attention_mask, tf.bool), -1), [-1])
-
-
-def _qwen_shared_expert(block, x):
-  shared = block.shared_expert_dense(x)
-  return shared * tf.sigmoid(block.shared_expert_gate_dense(x))
-
-
-FAMILIES = (
-    Family("MixtralSparseMoeBlock",
-           keras_hub_names.MIXTRAL_EXPERT_WEIGHTS,
-           _mixtral_experts, normalize=lambda block: True,
-           aux_coefficient="router_aux_loss_coef", flat_mask=_mixtral_mask,
-           jitter="router_jitter_noise"),
-    Family("QwenSparseMoeBlock",
-           keras_hub_names.QWEN_MOE_EXPERT_WEIGHTS,
-           _qwen_experts, normalize=lambda block: bool(block.norm_top_k_prob),
-           aux_coefficient="router_aux_loss_coefficient",
-           flat_mask=_qwen_mask, extra=_qwen_shared_expert),
-    Family("tfpar.MoE (gated=True)", expert_bank.GATED_WEIGHTS,
-           _tfpar_experts, normalize=lambda block: block.normalize_top_k,
-           aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
-           matches=_tfpar_block(gated=True), router="router",
-           contraction="matmul"),
-    Family("tfpar.MoE (gated=False)", expert_bank.PLAIN_WEIGHTS,
-           _tfpar_experts, normalize=lambda block: block.normalize_top_k,
-           aux_coefficient="aux_loss_coefficient", flat_mask=_mixtral_mask,
-           matches=_tfpar_block(gated=False), router="router",
-           contraction="matmul"),
-)
-
-
-def _is_of(family, layer):
-  if family.matches is not None:
-    return family.matches(layer)
-  return any(cls.__name__ == family.name and
-             cls.__module__.startswith("keras_hub.")
-             for cls in type(layer).__mro__)
+def _row_name(layer):
+  for cls in type(layer).__mro__:
+    if cls.__name__ in ROWS and (cls.__module__.startswith("keras_hub.") or
+                                 cls is moe_block.MoEBlock):
+      return cls.__name__
+  return None
 
 
 def family_of(layer):
-  """The `Family` of an MoE block, or None for any other layer.
+  """The `structure.MoELayout` of a built MoE block, or None for any other
+  layer.
+
+  Raises:
+    ValueError: a block of a known class whose layers tfpar cannot read.
 
   Example:
 
   >>> import keras
+  >>> import tensorflow as tf
   >>> family_of(keras.layers.Dense(2)) is None
   True
-  >>> family_of(moe_block.MoEBlock(num_experts=4, intermediate_dim=8)).name
-  'tfpar.MoE (gated=True)'
+  >>> block = moe_block.MoEBlock(num_experts=4, intermediate_dim=8)
+  >>> _ = block(tf.ones([1, 3, 6]))
+  >>> layout = family_of(block)
+  >>> layout.name, layout.router.name, layout.expert_weight_names
+  ('MoEBlock', 'router', ('gate_kernel', 'up_kernel', 'down_kernel'))
   """
-  return next((f for f in FAMILIES if _is_of(f, layer)), None)
+  name = _row_name(layer)
+  if name is None:
+    return None
+  layout = getattr(layer, "_tfpar_moe_layout", None)
+  if layout is None:  # Read once, before the experts are split.
+    layout = structure.layout_of(layer, name, ROWS[name])
+    object.__setattr__(layer, "_tfpar_moe_layout", layout)
+  return layout
 
 
 def moe_blocks(model):
-  """[(block, family)] of every MoE block in `model`, in layer order."""
+  """[(block, `structure.MoELayout`)] of every MoE block of a built
+  `model`, in layer order."""
   found = []
   for layer in keras_layers.flatten_layers(model, include_self=False):
-    family = family_of(layer)
-    if family is not None:
-      found.append((layer, family))
+    layout = family_of(layer)
+    if layout is not None:
+      found.append((layer, layout))
   return found
+
+
+def unknown_moe_blocks(model):
+  """Layers of `model` that look like MoE blocks (`num_experts`, `top_k`
+  and a direct sublayer of stacked [num_experts, ...] weights) but have no
+  row in `ROWS`."""
+  unknown = []
+  for layer in keras_layers.flatten_layers(model, include_self=False):
+    num_experts = getattr(layer, "num_experts", None)
+    if (_row_name(layer) is not None or not isinstance(num_experts, int) or
+        not hasattr(layer, "top_k")):
+      continue
+    children = keras_layers.flatten_layers(layer, include_self=False,
+                                           recursive=False)
+    if any(len(v.shape) >= 3 and v.shape[0] == num_experts
+           for child in children
+           for v in keras_layers.own_variables(child)):
+      unknown.append(layer)
+  return unknown

@@ -25,7 +25,7 @@ from tfpar.expert_parallel import routing
 from tfpar.expert_parallel import spmd_exchange
 
 
-def _local_experts(family, bank, weights, received, expert, capacity):
+def _local_experts(family, weights, received, expert, capacity):
   """received [expert, E_local * C, h] (chunk i from member i) through the
   local experts (`weights`: their tensors); returns the outputs in the same
   layout."""
@@ -33,10 +33,20 @@ def _local_experts(family, bank, weights, received, expert, capacity):
   local = weights[0].shape[0]
   x = tf.reshape(received, [expert, local, capacity, hidden])
   x = tf.reshape(tf.transpose(x, [1, 0, 2, 3]), [local, -1, hidden])
-  out = family.experts(bank, weights, x)
+  out = family.experts(weights, x)
   out = tf.transpose(tf.reshape(out, [local, expert, capacity, hidden]),
                      [1, 0, 2, 3])
   return tf.reshape(out, [expert, local * capacity, hidden])
+
+
+def flat_mask(attention_mask):
+  """[T] mask of the tokens that count in the load-balancing loss, from a
+  [B, S] padding mask (Mixtral, Qwen3.5-MoE, `tfpar.MoE`) or a
+  [B, S, S] attention mask (Qwen-MoE, Qwen3-MoE: a token counts if it
+  attends anywhere), as each block's own loss reads it."""
+  if attention_mask.shape.rank == 3:
+    attention_mask = tf.reduce_any(tf.cast(attention_mask, tf.bool), -1)
+  return tf.reshape(attention_mask, [-1])
 
 
 def build_call(block, family, context):
@@ -44,11 +54,11 @@ def build_call(block, family, context):
 
   Args:
     block: the keras-hub MoE block (its expert weights already split).
-    family: its `families.Family`.
+    family: its `structure.MoELayout`.
     context: the `MoEContext` of the strategy (groups, launchers, capacity
       factor, drop counters, whole weights for calls outside replicas).
   """
-  bank = block.expert_bank
+  bank = family.bank
   variables = [getattr(bank, name) for name in family.expert_weight_names]
 
   def call(hidden_states, attention_mask=None, training=False):
@@ -59,10 +69,7 @@ def build_call(block, family, context):
     if training and jitter > 0:
       x = x * tf.random.uniform(tf.shape(x), 1.0 - jitter, 1.0 + jitter,
                                 dtype=x.dtype)
-    router_logits = family.router_of(block)(x)
-    router_probs = tf.nn.softmax(router_logits, axis=-1)
-    weights, experts = routing.route(router_probs, block.top_k,
-                                     family.normalize(block))
+    router_out, router_probs, weights, experts = family.route(block, x)
     replica = context.replica_id()
     num_experts = block.num_experts
     tokens = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
@@ -73,7 +80,7 @@ def build_call(block, family, context):
     if replica is None:  # One device, every expert here.
       whole = [tf.cast(context.whole_value(v), x.dtype) for v in variables]
       received = tf.reshape(buffer, [1, -1, hidden])
-      out = _local_experts(family, bank, whole, received, 1, capacity)
+      out = _local_experts(family, whole, received, 1, capacity)
       expert_out = tf.reshape(out, [-1, hidden])
     else:
       expert = context.groups.expert
@@ -85,8 +92,7 @@ def build_call(block, family, context):
       def run_local(received):
         # Cast as Keras autocasts variables under mixed precision.
         local = [tf.cast(v.value, x.dtype) for v in variables]
-        return _local_experts(family, bank, local, received, expert,
-                              capacity)
+        return _local_experts(family, local, received, expert, capacity)
 
       if context.per_device:
         expert_out = spmd_exchange.exchange(
@@ -100,13 +106,12 @@ def build_call(block, family, context):
       context.count_drops(block, kept)
     out = routing.combine(expert_out, slot, weights, experts,
                           family.contraction)
-    if family.extra is not None:
-      out = out + family.extra(block, x)
+    if family.shared is not None:
+      out = out + family.extra(x)
     out = tf.reshape(out, shape)
-    if training:
+    if training and family.aux_coefficient and router_probs is not None:
       mask = (tf.ones_like(router_probs[:, 0]) if attention_mask is None
-              else tf.cast(family.flat_mask(attention_mask),
-                           router_probs.dtype))
+              else tf.cast(flat_mask(attention_mask), router_probs.dtype))
       global_sum = ((lambda v: v) if replica is None else
                     (lambda v: comm.sum_over_replicas(
                         v, context.launchers.everyone(
@@ -115,6 +120,6 @@ def build_call(block, family, context):
       aux = routing.load_balancing_loss(router_probs, experts, num_experts,
                                         mask, global_sum)
       block.add_loss(getattr(block, family.aux_coefficient) * aux)
-    return out, router_logits
+    return out, router_out
 
   return call

@@ -51,7 +51,7 @@ def moe_facts(model):
   trainable = non_trainable = largest = 0
   for block, family in blocks:
     for name in family.expert_weight_names:
-      variable = getattr(block.expert_bank, name)
+      variable = getattr(family.bank, name)
       size = math.prod(int(d) for d in variable.shape)
       largest = max(largest, size)
       if variable.trainable:
