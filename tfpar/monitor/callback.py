@@ -6,13 +6,13 @@ import time
 import keras
 import tensorflow as tf
 
-from tfpar._compat.tf_modules import summary_pb2
 from tfpar.monitor import csv_log
 from tfpar.monitor import flops as flops_lib
 from tfpar.monitor import memory_stats
 from tfpar.monitor import peak as peak_lib
 from tfpar.monitor import report as report_lib
 from tfpar.monitor import step_graph
+from tfpar.monitor import tensorboard_log
 
 
 def _check(every, csv_path, log_dir, peak_flops):
@@ -47,18 +47,6 @@ def _batch_sizes(data):
   if shape.rank == 2 and first.dtype.is_integer:
     tokens = shape[1]
   return rows, tokens
-
-
-# TensorBoard's scalar summary, written with TF's own tf.summary.write so
-# that TensorBoard need not be installed.
-_SCALARS = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(
-        plugin_name="scalars")).SerializeToString()
-
-
-def _write_scalar(tag, value, step):
-  tf.summary.write(tag, tf.constant(float(value), tf.float32), step=step,
-                   metadata=_SCALARS)
 
 
 class TrainingMonitor(keras.callbacks.Callback):
@@ -105,7 +93,7 @@ class TrainingMonitor(keras.callbacks.Callback):
     self.last = None  # The last report's row.
     self.rows = []
     self._csv = csv_log.CsvLog(csv_path) if csv_path else None
-    self._writer = None
+    self._tensorboard = None
     self._traces = []  # (graph, rows per replica, tokens per row).
     self._analysed = None  # (graph, StepCount or None, rows, tokens).
     self._step = 0
@@ -209,12 +197,15 @@ class TrainingMonitor(keras.callbacks.Callback):
   def _write(self, row):
     if self._csv is not None:
       self._csv.write(row)
-    if self.log_dir is None:
-      return
-    if self._writer is None:
-      self._writer = tf.summary.create_file_writer(self.log_dir)
-    with self._writer.as_default():
-      for name, value in row.items():
-        if name != "step" and isinstance(value, (int, float)):
-          _write_scalar(f"monitor/{name}", value, row["step"])
-    self._writer.flush()
+    if self.log_dir is not None:
+      if self._tensorboard is None:
+        self._tensorboard = tensorboard_log.TensorBoardLog(self.log_dir)
+      self._tensorboard.write(row)
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self._tensorboard is not None:
+      self._tensorboard.flush()
+
+  def on_train_end(self, logs=None):
+    if self._tensorboard is not None:
+      self._tensorboard.flush()
