@@ -17,6 +17,7 @@ needs from the function it runs).
 import collections
 import contextlib
 import functools
+import re
 import warnings
 
 import keras
@@ -280,9 +281,45 @@ def test_generate_under_strategies_without_a_tensor_axis(layout):
 def test_mixtral_under_expert_x_tensor():
   strategy = tfpar.ExpertParallelStrategy(
       tfpar.Mesh({"data": 2, "tensor": 2}), expert=2)
-  expected = _generate(_model(_mixtral, "top_k"))
-  got = _generate(_model(_mixtral, "top_k", strategy))
+  with _caches(keras_hub.models.MixtralCausalLM) as reference:
+    expected = _generate(_model(_mixtral, "top_k"))
+  with _caches(keras_hub.models.MixtralCausalLM) as seen:
+    got = _generate(_model(_mixtral, "top_k", strategy))
   np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
+  # 2 key/value heads over 2 devices per tensor group.
+  _check_split_cache(keras_hub.models.MixtralCausalLM, seen, reference,
+                     _devices(4), 1 / 2)
+
+
+def test_llama_under_pipeline_x_tensor():
+  """3D: 2 stages of 2-device tensor groups. Each stage's layers run on
+  its own devices, the cache split by heads as under tensor parallelism;
+  it stays on stage 0's devices (the first two)."""
+  strategy = tfpar.PipelineParallelStrategy(
+      tfpar.Mesh({"data": 1, "pipeline": 2, "tensor": 2}), num_microbatches=2)
+  for sampler in ("greedy", "top_k"):
+    with _caches(keras_hub.models.LlamaCausalLM) as reference:
+      expected = _generate(_model(_llama, sampler))
+    model = _model(_llama, sampler, strategy)
+    with _caches(keras_hub.models.LlamaCausalLM) as seen:
+      got = _generate(model)
+    np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
+    _check_split_cache(keras_hub.models.LlamaCausalLM, seen, reference,
+                       _devices(2), 1 / 2)
+  # Each stage's matmuls ran on its own devices (the last transformer
+  # layer's, of the second stage, on the last two).
+  assert _matmul_devices(seen["graph"], "transformer_layer_1") == set(
+      _devices(4)[2:])
+  assert _matmul_devices(seen["graph"], "transformer_layer_0") == set(
+      _devices(2))
+
+
+def _matmul_devices(graph, scope):
+  """Devices of the einsums / matmuls traced under name scope `scope`."""
+  return {tf.DeviceSpec.from_string(op.device).to_string()
+          for op in graph.get_operations()
+          if op.type in ("Einsum", "MatMul", "BatchMatMulV2") and
+          re.search(rf"(^|/){scope}(_\d+)?/", op.name)}
 
 
 def test_what_generate_refuses():
@@ -295,9 +332,3 @@ def test_what_generate_refuses():
   model.compile(sampler="greedy", run_eagerly=True)
   with pytest.raises(ValueError, match=r"run_eagerly=True"):
     _generate(model)
-  # Pipeline stages with a tensor axis (3D): refused by name.
-  three_d = tfpar.PipelineParallelStrategy(
-      tfpar.Mesh({"data": 1, "pipeline": 2, "tensor": 2}), num_microbatches=2)
-  with pytest.raises(ValueError, match=r"generate\(\) of GPT2CausalLM .* "
-                     r"not supported under PipelineParallelStrategy"):
-    _generate(_model(_gpt2, "greedy", three_d))

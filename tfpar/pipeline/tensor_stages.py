@@ -33,11 +33,13 @@ from tfpar.engine.per_device import extended as per_device_extended
 from tfpar.pipeline import executor
 from tfpar.pipeline import extended as extended_lib
 from tfpar.pipeline import placement
+from tfpar.pipeline import stage_generation
 from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel import styles as tp_styles
 from tfpar.tensor_parallel.spmd import adapters
 from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
+from tfpar.tensor_parallel.spmd import generation
 from tfpar.tensor_parallel.spmd import layers as layers_lib
 from tfpar.tensor_parallel.spmd import memo as memo_lib
 from tfpar.tensor_parallel.spmd import optimizer as optimizer_lib
@@ -181,6 +183,13 @@ class TensorStagesExtended(per_device_extended.PerDeviceExtended,
       layers_lib.install(layout, self._memos[device], paired)
       object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     return shard
+
+  def generate_function(self, model):
+    """keras-hub's `generate` run per tensor column as under tensor
+    parallelism, each stage's layers on their stage's devices
+    (`stage_generation.py`); the key/value cache split by heads."""
+    return generation.generate_function(
+        self, model, placing=stage_generation.layers_on_stage_devices)
 
   def _adopt(self, optimizer, model):
     optimizer_lib.adopt(optimizer, model, self._groups,

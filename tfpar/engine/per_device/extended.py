@@ -15,8 +15,8 @@ What it gathers, each in its own module:
   replicas within each device column;
 * keras-hub's `CausalLM.generate`, whose split layers cannot run outside
   the replicas: `register_model` hooks it (`_compat/keras_hub_generate.py`)
-  and `generate_function` refuses it here; tensor parallelism runs it per
-  device (`tensor_parallel/spmd/generation.py`).
+  and each subclass's `generate_function` runs it per device
+  (`tensor_parallel/spmd/generation.py`).
 
 A subclass sets `self._groups` (`collectives.TensorGroups`) and
 `self._first_replica` in its `__init__`, and gives `tensor_size`,
@@ -45,21 +45,6 @@ class PerDeviceExtended(runs.PerDeviceRuns,
     super().register_model(model)
     if keras_hub_generate.is_causal_lm(model):
       keras_hub_generate.install(_generate_function_of)
-
-  def generate_function(self, model):
-    """Refused (pipeline stages with a tensor axis): keras-hub's
-    `call_with_cache` calls the layers of every stage directly, so one
-    trace per device would compute all stages on the first stage's
-    devices, reading the other stages' weights across devices at every
-    token."""
-    raise ValueError(
-        f"generate() of {type(model).__name__} {model.name!r} is not "
-        f"supported under {type(self._container_strategy()).__name__} with "
-        f"a tensor axis (pipeline stages of tensor groups): keras-hub's "
-        f"generate calls every stage's layers directly, outside the "
-        f"pipeline's schedule. Save its weights (save_weights) and load "
-        f"them into the same model built under tfpar.TensorParallelStrategy "
-        f"(data x tensor) to generate.")
 
 
 def _generate_function_of(model):

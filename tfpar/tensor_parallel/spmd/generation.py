@@ -34,6 +34,7 @@ group's tokens are returned): one device's tokens, whatever the data size.
 """
 
 import collections
+import contextlib
 import inspect
 
 import tensorflow as tf
@@ -200,17 +201,27 @@ def check_generate(model, sequence_parallel):
         f"sequence_parallel=False (the same mesh) to generate.")
 
 
-def generate_function(extended, model, sequence_parallel=False):
+def generate_function(extended, model, sequence_parallel=False,
+                      placing=None):
   """The function keras-hub's `generate` calls (`fn(inputs,
   stop_token_ids=None)`): `model.generate_step` traced in a `tf.function`
-  with `call_with_cache` run per device (see the module)."""
+  with `call_with_cache` run per device (see the module).
+
+  Args:
+    extended: the strategy's `PerDeviceExtended`.
+    model: the keras-hub `CausalLM`.
+    sequence_parallel: whether the strategy slices sequences (refused).
+    placing: optional `placing(extended, model)`, a context manager active
+      while the step is traced (pipeline stages place their layers).
+  """
   check_generate(model, sequence_parallel)
   step = model.generate_step
 
   @tf.function
   def generate(inputs, stop_token_ids=None):
     wrap = _per_device_call_with_cache(extended, model)
-    with keras_hub_generate.swapped_call_with_cache(model, wrap):
+    with keras_hub_generate.swapped_call_with_cache(model, wrap), (
+        placing(extended, model) if placing else contextlib.nullcontext()):
       return step(inputs, stop_token_ids=stop_token_ids)
 
   def run(inputs, stop_token_ids=None):
