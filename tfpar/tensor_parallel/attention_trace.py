@@ -29,17 +29,13 @@ import numpy as np
 
 from tfpar.tensor_parallel import layouts
 from tfpar.tensor_parallel import regions
+from tfpar.tensor_parallel import score_terms
 from tfpar.tensor_parallel import styles
 
 _PRODUCTS = frozenset({"Einsum", "BatchMatMul", "BatchMatMulV2",
                        "BatchMatMulV3", "MatMul"})
-_DEPTH = 64  # ops walked from a softmax before giving up.
-# Ops whose output does not depend on their input's values (rotary tables
-# sized from the query's shape): walks do not pass them.
-_SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike",
-                         "OnesLike"})
-# Ops through which a per-head side input is still a call argument.
-_THROUGH = frozenset({"Identity", "Cast"})
+_DEPTH = score_terms.DEPTH
+_SHAPE_ONLY = score_terms.SHAPE_ONLY
 
 
 @dataclasses.dataclass
@@ -181,46 +177,6 @@ def _owner(parts, containers):
   return min(holding, key=lambda item: item[0])[1] if holding else None
 
 
-def _side_inputs(softmax, product):
-  """(op, side tensor) of ops on the way from the scores product to the
-  softmax, for inputs that do not come from the product."""
-  found, on_path = [], {}
-
-  def reaches(t, d=0):
-    k = regions.key(t)
-    if k not in on_path:
-      on_path[k] = t.op is product or (
-          d < _DEPTH and t.op.type not in _SHAPE_ONLY and any(
-          [reaches(x, d + 1) for x in t.op.inputs]))
-    return on_path[k]
-
-  reaches(softmax.inputs[0])
-  for k, is_on in list(on_path.items()):
-    if not is_on:
-      continue
-    op = softmax.graph.get_operation_by_name(k[0])
-    if op is product:
-      continue
-    found.extend((op, x) for x in op.inputs if not on_path.get(
-        regions.key(x), False))
-  return found
-
-
-def _argument_of(tensor, call):
-  """(position or name) of `tensor` among a recorded call's arguments."""
-  args, kwargs, _ = call
-  while True:
-    for i, a in enumerate(args):
-      if hasattr(a, "op") and regions.key(a) == regions.key(tensor):
-        return i
-    for name, a in kwargs.items():
-      if hasattr(a, "op") and regions.key(a) == regions.key(tensor):
-        return name
-    if tensor.op.type not in _THROUGH:
-      return None
-    tensor = tensor.op.inputs[0]
-
-
 def find(calls, projections, containers, head_bias_outputs=()):
   """The attention computations of a traced model.
 
@@ -273,7 +229,7 @@ def _match(softmax, outputs, inputs, consumers, containers, calls,
   other = [x for x in values_op.inputs
            if regions.key(x) != regions.key(from_scores)]
   value = _projections_reached(other[0], outputs) if other else []
-  out_op, into = _forward(values_op.outputs[0], consumers,
+  _, into = _forward(values_op.outputs[0], consumers,
                           lambda op, t: regions.key(t) in inputs)
   if len(value) != 1 or into is None:
     return None
@@ -312,20 +268,8 @@ def _match(softmax, outputs, inputs, consumers, containers, calls,
   else:
     attention.head_dim = _width(query) // heads
     attention.key_value_heads = heads * _width(parts["key"]) // _width(query)
-  arguments = []
-  for op, side in _side_inputs(softmax, product):
-    rank = side.shape.rank
-    if rank is None or rank < -axis or side.shape[axis] in (None, 1):
-      continue
-    if any(regions.key(y) in head_bias_outputs for y in op.outputs):
-      continue
-    where = _argument_of(side, calls.get(owner, ((), {}, None)))
-    if where is None:
-      attention.problem = (
-          f"its scores get a per-head term ({side.op.type} {side.name}, "
-          f"shape {side.shape}) computed inside the layer for all heads")
-      return attention
-    # Broadcast aligns trailing axes: the same negative axis.
-    arguments.append((where, axis))
-  attention.head_arguments = tuple(arguments)
+  attention.head_arguments, problem = score_terms.per_head_arguments(
+      softmax, product, axis, calls.get(owner, ((), {}, None)),
+      head_bias_outputs)
+  attention.problem = attention.problem or problem
   return attention
