@@ -14,6 +14,8 @@ quantized to int8 then LoRA'd inside the scope (QLoRA-style) at tensor
 layout map). Stock layers: `test_tensor_lora_layers.py`.
 """
 
+import re
+
 import keras
 import keras_hub
 import numpy as np
@@ -162,3 +164,39 @@ def test_gemma_lora_in_the_keras_guide_flow():
   assert worst < 1e-5, worst
   print(f"\nMEASURED gemma guide flow (set_distribution 2x2): weights "
         f"{worst:.1e}")
+
+
+def test_mixtral_lora_under_expert_x_tensor():
+  """LoRA on the attention of a mixture-of-experts model whose experts are
+  split by expert parallelism and everything else by the tensor plan: the
+  factors train as on one device and split with their kernels."""
+  def mixtral():
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
+        num_experts=4, top_k=2, router_jitter_noise=0.0)
+    model = keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
+    model.backbone.enable_lora(rank=4)
+    lora_common.set_lora(model)
+    return model
+
+  reference = mixtral()
+  initial = tfpar.logical_weights(reference)
+  lora_common.compile_model(reference)
+  lora_common.fit(reference, lora_common.hub_data())
+  strategy = tfpar.ExpertParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}), expert=2)
+  with strategy.scope():
+    model = mixtral()
+    lora_common.compile_model(model)
+  lora_common.fit(model, lora_common.hub_data())
+  worst = lora_common.assert_trains_like(
+      model, reference, initial, same_path=lambda path: re.sub(
+          r"sparse_moe_block(_\d+)?/", "sparse_moe_block/", path))
+  found = lora_common.report("Mixtral expert x tensor 2x2, LoRA", model,
+                             reference, worst)
+  # Attention, experts and vocabulary split (by tensor or expert): every
+  # device holds well under 3/4 of one device's trainable and frozen bytes.
+  for name, (fullest, one) in found.items():
+    assert fullest < 0.75 * one, (name, fullest, one)
