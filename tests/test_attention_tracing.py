@@ -154,3 +154,32 @@ def test_attention_tracing_cannot_split_is_a_value_error():
   # Rules for its weights decide instead: replicated, no error.
   replicated = tfpar.ShardingPlan([(r"attention/", tfpar.Replicate())])
   assert not replicated.resolve(model(per_head_bias=True), 2)
+
+
+def test_traced_attention_generates_one_devices_tokens():
+  """keras-hub's generate on traced attention: SmolLM3 (its cache argument
+  named `self_attention_cache`) and Falcon (its alibi argument over all
+  heads, each device taking its heads') give one device's greedy tokens
+  under data 2 x tensor 2."""
+  prompt = {"token_ids": np.array([[5, 6, 7, 0, 0, 0, 0, 0]] * 2, "int32"),
+            "padding_mask": np.array([[1, 1, 1, 0, 0, 0, 0, 0]] * 2,
+                                     "int32")}
+  tasks = {"smollm3": M.SmolLM3CausalLM, "falcon": M.FalconCausalLM}
+  for family, task in tasks.items():
+    def build():
+      keras.utils.set_random_seed(1)
+      causal_lm = task(backbone=FAMILIES[family][0](), preprocessor=None)
+      causal_lm.compile(sampler="greedy")
+      return causal_lm
+
+    expected = build().generate(prompt, max_length=SEQUENCE,
+                                stop_token_ids=None)
+    strategy = tfpar.TensorParallelStrategy(
+        tfpar.Mesh(attention_common.LAYOUT))
+    with strategy.scope():
+      causal_lm = build()
+    assert any(layout.kind == "AttentionHeads" for layout in
+               causal_lm._tfpar_layouts), family  # pylint: disable=protected-access
+    got = causal_lm.generate(prompt, max_length=SEQUENCE, stop_token_ids=None)
+    np.testing.assert_array_equal(got["token_ids"], expected["token_ids"],
+                                  err_msg=family)

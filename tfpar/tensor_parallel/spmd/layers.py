@@ -230,9 +230,12 @@ def _install_heads(layer_layout, memo):
           f"shared by {sharers} devices as one device does.")
     # With a `cache` (generate, `spmd/generation.py`): (output, the
     # device's heads' cache).
-    # (GPT-NeoX returns (output, None) without one.)
+    # (GPT-NeoX returns (output, None) without one; SmolLM3 names it
+    # `self_attention_cache`.)
+    cached = any(name.endswith("cache") and value is not None
+                 for name, value in kwargs.items())
     if isinstance(result, (tuple, list)) and not (len(result) == 2 and (
-        kwargs.get("cache") is not None or result[1] is None)):
+        cached or result[1] is None)):
       raise ValueError(
           f"Layer {layer.name!r} ({type(layer).__name__}) returned "
           f"{len(result)} values (attention scores?); tensor parallelism "
