@@ -42,9 +42,9 @@ def layers_on_stage_devices(extended, model):
   plan = getattr(model, "_tfpar_stage_plan", None)
   if plan is None:
     raise ValueError(
-        f"generate() under {type(extended._container_strategy()).__name__} "  # pylint: disable=protected-access
-        f"needs model {model.name!r} cut into pipeline stages first; it was "
-        f"not (create it in the strategy's scope).")
+        f"generate() under pipeline stages with a tensor axis needs model "
+        f"{model.name!r} cut into stages first; it was not (create it in "
+        f"the strategy's scope).")
   swapped = {}
   for stage in plan.stages:
     shared = {id(layer) for layer in stage.shared}
