@@ -96,6 +96,7 @@ class TrainingMonitor(keras.callbacks.Callback):
     self._tensorboard = None
     self._traces = []  # (graph, rows per replica, tokens per row).
     self._analysed = None  # (graph, StepCount or None, rows, tokens).
+    self._cached_facts = None  # (id of the analysed graph, _facts()).
     self._step = 0
     self._reset_interval()
     self._traced_in_batch = False
@@ -172,8 +173,13 @@ class TrainingMonitor(keras.callbacks.Callback):
       devices = named or devices[:1]
     return devices
 
-  def _report(self):
+  def _facts(self):
+    """What stays fixed while the traced step does: (count, samples,
+    tokens, peak, known), computed once per trace."""
     count, samples, tokens = self._step_count()
+    key = None if self._analysed is None else id(self._analysed[0])
+    if self._cached_facts is not None and self._cached_facts[0] == key:
+      return self._cached_facts[1]
     devices = self._devices(count)
     peak = None
     if count is not None and count.dtypes:
@@ -185,9 +191,18 @@ class TrainingMonitor(keras.callbacks.Callback):
     known = count is not None and (len(devices) == 1 or isinstance(
         self.model.distribute_strategy,
         tf.distribute.MultiWorkerMirroredStrategy))
+    memory = memory_stats.device_memory(self.model, devices)
+    facts = (count, samples, tokens, devices, peak, known, memory)
+    self._cached_facts = (key, facts)
+    return facts
+
+  def _report(self):
+    count, samples, tokens, devices, peak, known, memory = self._facts()
+    if memory[0] != memory_stats.VARIABLES:  # The allocator's: read anew.
+      memory = memory_stats.device_memory(self.model, devices)
     row = report_lib.build(
         self._step, self._seconds / self._timed_steps, samples, tokens,
-        count, peak, known, memory_stats.device_memory(self.model, devices))
+        count, peak, known, memory)
     self.last = row
     self.rows.append(row)
     if self.model.distribute_strategy.extended.should_checkpoint:
