@@ -26,6 +26,7 @@ Modules:
   keras_hub_names: keras-hub's private attribute names tfpar reads.
   keras_hub_blocks: keras-hub blocks' attention masks (sequence slices).
   keras_hub_generate: keras-hub's CausalLM.generate handed to the strategy.
+  graph_functions: the function graphs a traced op calls (tfpar.monitor).
 """
 
 from tfpar._compat.checks import Incompatible

@@ -116,9 +116,11 @@ def image_of(rows):
                  base - v / top_value * _PANEL) for s, v in zip(xs, ys)]
       for (x0, y0), (x1, y1) in zip(points, points[1:] or points):
         _draw_line(image, x0, y0, x1, y1, color)
-    for text, x in ((_label(first), _LEFT), (_label(last), right)):
-      font.draw_text(image, text, base + 6, x - font.text_width(text) // 2,
-                     INK)
+    for value, x in ((first, _LEFT), (last, right)):
+      text = str(int(value)) if value == int(value) else _label(value)
+      left = min(x - font.text_width(text) // 2,
+                 _WIDTH - 2 - font.text_width(text))
+      font.draw_text(image, text, base + 6, left, INK)
   font.draw_text(image, "STEP", height - 12, _WIDTH // 2, INK)
   return image
 

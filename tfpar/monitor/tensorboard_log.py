@@ -12,7 +12,7 @@ _SCALARS = summary_pb2.SummaryMetadata(
         plugin_name="scalars")).SerializeToString()
 
 
-_PER_KIND = ("_bytes", "_algbw", "_busbw")
+_PER_KIND = ("bytes", "algbw", "busbw")  # Column suffixes of a kind.
 
 
 class TensorBoardLog:
@@ -52,7 +52,8 @@ class TensorBoardLog:
     names = tuple(name for name, value in row.items()
                   if name != "step" and isinstance(value, (int, float)) and
                   not isinstance(value, bool) and
-                  not (value == 0 and name.endswith(_PER_KIND)))
+                  not (value == 0 and
+                       name.rpartition("_")[2] in _PER_KIND))
     if names != self._names:
       self._names, self._function = names, self._traced(names)
     self._function(tf.constant([float(row[n]) for n in names], tf.float32),
