@@ -35,10 +35,18 @@ def _mlp():
   return model
 
 
-def _hand_flops(rows):
+def _plain_mlp(out):
+  model = keras.Sequential([keras.Input((SIZES[0],)),
+                            keras.layers.Dense(SIZES[1], activation="relu"),
+                            keras.layers.Dense(out)])
+  model.compile(optimizer="sgd", loss="mse")
+  return model
+
+
+def _hand_flops(rows, sizes=SIZES):
   """Forward 2 m k n per layer; backward a weight gradient per layer and
   an input gradient for every layer but the first."""
-  (a, b), (c, d) = (SIZES[0], SIZES[1]), (SIZES[1], SIZES[2])
+  (a, b), (c, d) = (sizes[0], sizes[1]), (sizes[1], sizes[2])
   forward = 2 * rows * a * b + 2 * rows * c * d
   return forward + forward + 2 * rows * c * d
 
@@ -57,7 +65,8 @@ def _fit(strategy, monitor, model_fn=_mlp, x=None, y=None):
     model = model_fn()
   x = np.random.RandomState(0).rand(BATCH * STEPS, SIZES[0]).astype(
       "float32") if x is None else x
-  y = np.ones((len(x), SIZES[2]), "float32") if y is None else y
+  if y is None:
+    y = np.ones((len(x), model.output_shape[-1]), "float32")
   logs = _Logs()
   model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
             callbacks=[monitor, logs])
@@ -153,6 +162,24 @@ def test_csv_tensorboard_and_plot(data_parallel, tmp_path):
     assert {(r - 20) // panel for r in rows_with_line} == {0, 1, 2}
   with pytest.raises(SystemExit):
     cli.main(["monitor", "plot", str(tmp_path / "missing.csv")])
+
+
+def test_tensor_parallel_spmd_step():
+  # data 2 x tensor 2: each device traces its share; the counts add up to
+  # one device's, and each device all-reduces its layer-2 partial output
+  # over the tensor group and its gradient shards over the data group.
+  monitor = tfpar.TrainingMonitor(every=EVERY, peak_flops=PEAK)
+  strategy = tfpar.TensorParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}))
+  model, _ = _fit(strategy, monitor, lambda: _plain_mlp(SIZES[0]))
+  row = monitor.last
+  sizes = (SIZES[0], SIZES[1], SIZES[0])
+  assert row["flops_per_step"] == _hand_flops(BATCH, sizes)
+  activation = (BATCH // 2) * sizes[2] * 4
+  shards = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_variables)
+  assert row["all-reduce_bytes"] == activation + shards == 1024 + 2176
+  assert row["all-reduce_busbw"] == pytest.approx(  # Groups of 2: x 1.
+      row["all-reduce_algbw"])
 
 
 def test_one_device_and_stock_mirrored():
