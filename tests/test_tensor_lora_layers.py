@@ -71,25 +71,42 @@ def _gpt_with_lora(blocks, skip=()):
 
 
 def test_gpt_lora_under_pipeline_stages():
-  build = lambda: _gpt_with_lora(blocks=2, skip=("lm_head",))
+  """3D: LoRA on block 0 enabled before the model is cut, on block 1 (the
+  second stage) after, as keras-hub users call enable_lora after building:
+  the late factors are laid out on their stage's devices."""
   data = tp_common.data("gpt", count=32)
-  reference = build()
+  reference = _gpt_with_lora(blocks=2, skip=("lm_head",))
   initial = tfpar.logical_weights(reference)
   lora_common.fit(reference, data)
   strategy = tfpar.PipelineParallelStrategy(
       tfpar.Mesh({"pipeline": 2, "tensor": 2}), num_microbatches=2)
   with strategy.scope():
-    model = build()
+    model = tp_common.gpt(blocks=2)
+    late = [layer for top in model.layers if top.name.startswith("block1_")
+            for layer in _projections(top, include_self=True)]
+    for layer in _projections(model):
+      if layer.name != "lm_head" and layer not in late:
+        layer.enable_lora(2)
+  assert model._tfpar_stage_plan  # pylint: disable=protected-access
+  for layer in late:
+    layer.enable_lora(2)
+  lora_common.set_lora(model)
+  with strategy.scope():
+    tp_common.compile_model(model)
   lora_common.fit(model, data)
   worst = lora_common.assert_trains_like(model, reference, initial)
+  # The factors enabled late live on the second stage's devices only.
+  late_factors = [v for v in model.trainable_variables
+                  if "lora_kernel" in v.path and v.path.startswith("block1_")]
+  assert len(late_factors) == 2 * len(late)
+  assert sorted(device.rsplit("/", 1)[-1] for device in
+                lora_common.device_bytes(late_factors)) == [
+                    "device:CPU:2", "device:CPU:3"]
   lora_common.report("GPT pipeline 2 x tensor 2", model, reference, worst)
-  with pytest.raises(ValueError, match=(
-      r"Cannot enable LoRA on layer 'lm_head' .*rank=2.*pipeline stages")):
-    model.get_layer("lm_head").enable_lora(2)
 
 
-def _projections(model):
-  return [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+def _projections(model, include_self=False):
+  return [layer for layer in model._flatten_layers(include_self=include_self)  # pylint: disable=protected-access
           if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)]
 
 

@@ -134,7 +134,7 @@ class TensorStagesExtended(per_device_extended.PerDeviceExtended,
     object.__setattr__(model, "_tfpar_layouts", layer_layouts)
     whole_weights.install(model)
     adapters.install(model, self._container_strategy(), self.tensor_size,
-                     late_lora=False)
+                     placing=self._stage_placing(stage_of))
     # The stage models are Models of their own over the same layers: their
     # `trainable_weights` (read for regularization losses) must list the
     # shards too, not their layers' whole weights.
@@ -152,6 +152,17 @@ class TensorStagesExtended(per_device_extended.PerDeviceExtended,
     self._pairs = _pairs(model, [layout.layer for layout in layer_layouts
                                  if layout.layer in self._paired])
     terms.check(layer_layouts, self._paired, False)
+
+  def _stage_placing(self, stage_of):
+    """`placing(layer)` for LoRA enabled after the cut: the tensor groups
+    of the layer's stage, and its stage's devices to create variables on."""
+    def placing(layer):
+      index = stage_of.get(id(layer), 0)
+      column = placement.stage_column(index, self.pipeline_size,
+                                      self.tensor_size)
+      return (self._stage_groups[index % self.pipeline_size],
+              self.variables_on_devices(self.stage_variable_devices(column)))
+    return placing
 
   def _stage_layout_sharder(self, stage_of):
     """`shard(stage index, layout)`: one layer split SPMD over its stage's

@@ -11,7 +11,8 @@ sharded model:
   with the layer's whole kernel in view, in the strategy's scope), then
   lays them out as the sharded layer's plan does (`lora.py`): the factor
   holding the kernel's split axis split, the other whole on every device.
-  Under pipeline stages it is refused (`late_lora=False`).
+  Under pipeline stages each layer's factors are created on its stage's
+  devices and split over its stage's tensor groups (`placing`).
 * A LoRA or quantized layer saves and loads what Keras's own code writes
   and reads on one device (LoRA merged into the kernel, int8 kernels with
   their scales, in its order), through the whole weights.
@@ -21,7 +22,9 @@ sharded model:
   taken per shard.
 """
 
+import contextlib
 import dataclasses
+
 import keras
 
 from tfpar._compat import keras_layers
@@ -36,7 +39,7 @@ def _adapted(layer):
               getattr(layer, "quantization_mode", None))
 
 
-def install(model, strategy, tensor_size, groups=None, late_lora=True):
+def install(model, strategy, tensor_size, groups=None, placing=None):
   """Adapts every layer of a just-sharded `model` (idempotent).
 
   Args:
@@ -44,8 +47,10 @@ def install(model, strategy, tensor_size, groups=None, late_lora=True):
     strategy: its strategy (new factors are created in its scope).
     tensor_size: devices per tensor group.
     groups: the `collectives.TensorGroups` its split layers compute over.
-    late_lora: whether `enable_lora` after sharding lays the factors out;
-      False refuses it.
+    placing: optional `placing(layer)`: `(groups, context)`, the tensor
+      groups `layer` computes over and a context manager in which its new
+      variables are created where its own live (pipeline stages); None:
+      `groups` and the strategy's default place.
   """
   for layer in keras_layers.flatten_layers(model, include_self=True):
     if getattr(layer, "_tfpar_adapters", False):
@@ -55,8 +60,7 @@ def install(model, strategy, tensor_size, groups=None, late_lora=True):
       _refuse_quantize(layer, model)
       _keras_saving(layer)
       if not isinstance(layer, keras.layers.Embedding):
-        _late_enable_lora(layer, model, strategy, tensor_size, groups,
-                          late_lora)
+        _late_enable_lora(layer, strategy, tensor_size, groups, placing)
     if callable(getattr(layer, "save_lora_weights", None)):
       for name in ("save_lora_weights", "load_lora_weights"):
         _with_whole_attributes(layer, name)
@@ -131,24 +135,18 @@ def _record_layouts(strategy, kernel_path, variable_layouts):
     object.__setattr__(model, "_tfpar_layouts", tuple(updated))
 
 
-def _late_enable_lora(layer, model, strategy, tensor_size, groups, allowed):
+def _late_enable_lora(layer, strategy, tensor_size, groups, placing):
   original = layer.enable_lora
 
   def enable_lora(rank, *args, **kwargs):
-    if not allowed:
-      raise ValueError(
-          f"Cannot enable LoRA on layer {layer.name!r} of model "
-          f"{model.name!r} (rank={rank!r}): the model is already cut into "
-          f"pipeline stages with split layers, which lays out its weights "
-          f"once. Call enable_lora before the model is prepared: inside "
-          f"strategy.scope() where it is built, before the scope closes "
-          f"and before the first fit / predict.")
     kernel = keras_layers.dense_kernel(layer)  # Whole if in view already.
     weight = kernel if isinstance(kernel, weights_lib.SpmdWeight) else (
         getattr(kernel, "_tfpar_shard_of", (None,))[0])
+    _, where = ((groups, contextlib.nullcontext()) if placing is None
+                else placing(layer))
     # Created whole on every device (the kernel seen whole: its shape).
     with strategy.scope(), spread.creating_in_place(), (
-        weights_lib.whole_attributes([layer])):
+        weights_lib.whole_attributes([layer])), where:
       result = original(rank, *args, **kwargs)
     if weight is None:  # A replicated layer: its factors stay whole.
       return result
@@ -171,11 +169,13 @@ def _late_enable_lora(layer, model, strategy, tensor_size, groups, allowed):
                 for v in keras_layers.own_variables(layer)]
     kind = layouts.DENSE if isinstance(layer, keras.layers.Dense) else (
         layouts.EINSUM)
-    with spread.creating_in_place():
+    layer_groups, where = ((groups, contextlib.nullcontext())
+                           if placing is None else placing(layer))
+    with spread.creating_in_place(), where:
       weights_lib.split_layer(
           layouts.LayerLayout(layer, kind, weight.layout.style,
                               tuple(variable_layouts)),
-          tensor_size, strategy, groups)
+          tensor_size, strategy, layer_groups)
     _record_layouts(strategy, weight.path, variable_layouts)
     return result
 
