@@ -14,6 +14,7 @@ _PUBLIC = {
     "Replicate", "RowParallel", "ShardedWeight", "ShardingPlan",
     "TensorParallelStrategy", "TrainingMonitor", "VocabParallel", "ZeRO",
     "configure_virtual_cpus", "from_keras_distribution", "from_recipe",
+    "keep_global_batch",
     "logical_weights", "memory_report", "plan_layout", "save_weights",
     "expert_parallel", "pipeline", "planner", "recipes", "tensor_parallel",
     "tpu", "zero",
