@@ -187,6 +187,11 @@ def _is_embedding(layer):
       layer, keras.layers.ReversibleEmbedding)
 
 
+# The source of position tables kept whole (Megatron's layout; the
+# coverage check accepts them, `plan.py`).
+POSITION_TABLE = "built-in: position table (ids not computed from the inputs)"
+
+
 def _resolve_embedding(layer, user, tensor_size, use_builtin,
                        positions=False):
   table = keras_layers.embeddings(layer)  # The variable (LoRA: a tensor).
@@ -195,8 +200,7 @@ def _resolve_embedding(layer, user, tensor_size, use_builtin,
   elif use_builtin and positions:
     # Ids not computed from the model's inputs: a position table (ViT's,
     # SigLIP's), whole on every device as Megatron keeps it.
-    style, source = styles.REPLICATE, (
-        "built-in: position table (ids not computed from the inputs)")
+    style, source = styles.REPLICATE, POSITION_TABLE
   elif use_builtin and layer.input_dim < tensor_size:
     # Fewer rows than devices (BERT's 2 segment types): nothing to split.
     style, source = styles.REPLICATE, (

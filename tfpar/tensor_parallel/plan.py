@@ -132,10 +132,16 @@ class ShardingPlan:
             f"{_owner_class(model, path)}). Only "
             f"tfpar.Replicate() applies to it.")
     if self._builtin:
+      # Position tables kept whole by the built-in plan are a layout
+      # chosen (Megatron's), not a weight it has no plan for.
+      accepted = dict(user)
+      accepted.update((v.path, (v.style, v.source)) for layout in resolved
+                      for v in layout.variables
+                      if v.source == builtin.POSITION_TABLE)
       coverage_lib.check_large_replicated(
           model, coverage_lib.coverage(
               ((v.path, v.shape) for v in model.weights), resolved,
-              elsewhere), user,
+              elsewhere), accepted,
           lambda path: _owner_class(model, path))
     return tuple(layout for layout in resolved if layout.is_sharded)
 

@@ -19,6 +19,28 @@ SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike",
                         "OnesLike"})
 # Ops through which a per-head side input is still a call argument.
 _THROUGH = frozenset({"Identity", "Cast"})
+# Elementwise ops: of inputs equal across heads, a result equal across
+# heads (a mask broadcast to the scores' shape, as Keras's
+# dot_product_attention builds it from ones_like(scores)).
+_ELEMENTWISE = regions.ELEMENTWISE_OPS | regions.PASS_THROUGH_OPS | {
+    "LogicalAnd", "LogicalOr", "LogicalNot", "Equal", "NotEqual", "Less",
+    "LessEqual", "Greater", "GreaterEqual"}
+
+
+def _same_for_every_head(tensor, axis, depth=0):
+  """Whether `tensor` is computed, by elementwise ops, from tensors of size
+  1 along the heads `axis` (or too short to reach it) and from shape-only
+  ops (ones or zeros like the scores): equal for every head."""
+  rank = tensor.shape.rank
+  if rank is not None and (rank < -axis or tensor.shape[axis] == 1):
+    return True
+  op = tensor.op
+  if op.type in SHAPE_ONLY or (op.type == "Fill" and
+                               op.inputs[1].shape.rank == 0):
+    return True  # Sized like the scores, one value (Keras's masks).
+  if op.type not in _ELEMENTWISE or depth > DEPTH or not op.inputs:
+    return False
+  return all(_same_for_every_head(x, axis, depth + 1) for x in op.inputs)
 
 
 def _side_inputs(softmax, product):
@@ -82,7 +104,8 @@ def per_head_arguments(softmax, product, axis, owner_call,
     rank = side.shape.rank
     if rank is None or rank < -axis or side.shape[axis] in (None, 1):
       continue
-    if any(regions.key(y) in head_bias_outputs for y in op.outputs):
+    if any(regions.key(y) in head_bias_outputs for y in op.outputs) or (
+        _same_for_every_head(side, axis)):
       continue
     where = _argument_of(side, owner_call)
     if where is None:
