@@ -151,6 +151,16 @@ def test_attention_tracing_cannot_split_is_a_value_error():
     plan.resolve(model(per_head_bias=True), 2)
   with pytest.raises(ValueError, match=r"'other_heads' = 3 looks like a head"):
     plan.resolve(model(extra=3), 2)
+  # A mask broadcast to the scores' shape (Keras's dot_product_attention,
+  # ESM's attention) is the same for every head: split, not refused.
+  esm = M.ESMBackbone(vocabulary_size=VOCAB, num_layers=1, num_heads=4,
+                      hidden_dim=32, intermediate_dim=64, dropout=0.0)
+  styles = {v.path: v.style.name for layout in plan.resolve(esm, 2)
+            for v in layout.variables}
+  assert styles["transformer_layer_0/attention_layer/q_dense_layer/kernel"] == (
+      "ColumnParallel"), styles
+  assert styles["transformer_layer_0/attention_layer/o_dense_layer/kernel"] == (
+      "RowParallel"), styles
   # Rules for its weights decide instead: replicated, no error.
   replicated = tfpar.ShardingPlan([(r"attention/", tfpar.Replicate())])
   assert not replicated.resolve(model(per_head_bias=True), 2)
