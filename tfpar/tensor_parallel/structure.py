@@ -62,6 +62,13 @@ def trace_calls(model, layers):
 
   try:
     tf.function(run, autograph=False).get_concrete_function(specs)
+  except Exception as error:  # pylint: disable=broad-except
+    raise ValueError(
+        f"Tensor parallelism's built-in plan traces model {model.name!r} "
+        f"once to find its attention and MLPs, and that trace failed "
+        f"({type(error).__name__}: {str(error)[:300]}). Give the model "
+        f"rules with the built-in plans off, "
+        f"tfpar.ShardingPlan([...], builtin=False).") from error
   finally:
     for layer in patched:
       object.__delattr__(layer, method(layer))
