@@ -59,35 +59,11 @@ def _median_seconds(fn, runs):
 
 def matmul_rate(shape, devices, dtype="float32", runs=7, target_flops=2e9):
   """(FLOP/s on devices[0] alone, FLOP/s of all `devices` at once) of a
-  chain of (m x k) @ (k x n) @ (n x k) ... matmuls per device."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  m, k, n = shape
-  pair = 2 * (2 * m * k * n)  # flops of one (m,k)->(m,n)->(m,k) pair
-  reps = max(1, int(target_flops / pair / len(devices)))
-  rng = tf.random.Generator.from_seed(0)
-  data = []
-  for d in devices:
-    with tf.device(d):
-      data.append([tf.cast(rng.normal(s), dtype)
-                   for s in ((m, k), (k, n), (n, k))])
-
-  def chains(which):
-    @tf.function
-    def run():
-      outs = []
-      for i in which:
-        with tf.device(devices[i]):
-          x, w1, w2 = data[i]
-          for _ in range(reps):
-            x = tf.matmul(tf.matmul(x, w1), w2) * 0.01
-          outs.append(tf.reduce_sum(tf.cast(x[:1, :1], tf.float32)))
-      return tf.add_n(outs)
-    return lambda: run().numpy()
-
-  one = pair * reps / _median_seconds(chains([0]), runs)
-  every = (pair * reps * len(devices) /
-           _median_seconds(chains(range(len(devices))), runs))
-  return one, every
+  chain of (m x k) @ (k x n) @ (n x k) ... matmuls per device (the
+  measurement `tfpar.TrainingMonitor` takes as a CPU's peak)."""
+  from tfpar.monitor import peak  # pylint: disable=g-import-not-at-top
+  return peak.matmul_rates(tuple(devices), dtype, tuple(shape), runs,
+                           target_flops)
 
 
 def copy_bandwidth(devices, nbytes=64 << 20, runs=7):

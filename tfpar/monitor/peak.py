@@ -79,6 +79,22 @@ def measured_rate(devices, dtype="float32", shape=(256, 1024, 1024), runs=5,
   ...               target_flops=1e6) > 0
   True
   """
+  return max(matmul_rates(devices, dtype, shape, runs, target_flops))
+
+
+def matmul_rates(devices, dtype="float32", shape=(256, 1024, 1024), runs=5,
+                 target_flops=2e9):
+  """(FLOP/s on devices[0] alone, FLOP/s of all `devices` at once) of a
+  chain of (m x k) @ (k x n) @ (n x k) matmuls per device (arguments as
+  `measured_rate`'s; benchmarks/bounds.py reads it too).
+
+  Example:
+
+  >>> one, every = matmul_rates(("/device:CPU:0",), shape=(32, 32, 32),
+  ...                           runs=1, target_flops=1e6)
+  >>> one > 0 and every > 0
+  True
+  """
   m, k, n = shape
   pair = 2 * (2 * m * k * n)
   reps = max(1, int(target_flops / pair / len(devices)))
@@ -105,7 +121,7 @@ def measured_rate(devices, dtype="float32", shape=(256, 1024, 1024), runs=5,
   one = pair * reps / _median_seconds(chains([0]), runs)
   every = (pair * reps * len(devices) /
            _median_seconds(chains(range(len(devices))), runs))
-  return max(one, every)
+  return one, every
 
 
 def step_peak(devices, dtype, peak_flops=None):
