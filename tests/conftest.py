@@ -1,6 +1,5 @@
 """Test set-up: 4 virtual CPU devices before TensorFlow starts."""
 
-import gc
 import os
 import resource
 import sys
@@ -10,30 +9,11 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import keras  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 
 NUM_TEST_DEVICES = 4
 _CPU = pytest.StashKey[dict]()
 tfpar.configure_virtual_cpus(NUM_TEST_DEVICES)
-
-# Tracing a step allocates millions of short-lived objects; with the
-# modules TensorFlow and Keras leave in memory, Python's default collector
-# thresholds spend much of a test's CPU walking them. Objects alive now
-# (the imported modules) are never collected: freeze them, and collect the
-# young generation less often.
-gc.collect()
-gc.freeze()
-gc.set_threshold(50_000, 50, 1_000)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fresh_keras_state_per_file():
-  """Each test file starts from Keras's state as a new process has it (its
-  layer-name counters, default graph and settings), and what the previous
-  file left is freed: a process runs many files one after the other."""
-  yield
-  keras.backend.clear_session(free_memory=True)
 
 
 def _cpu_seconds():
