@@ -47,16 +47,6 @@ SHAPES = {  # Rows per device x in x out of each benchmark's largest layer.
 }
 
 
-def _median_seconds(fn, runs):
-  fn()  # trace and warm up
-  times = []
-  for _ in range(runs):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def matmul_rate(shape, devices, dtype="float32", runs=7, target_flops=2e9):
   """(FLOP/s on devices[0] alone, FLOP/s of all `devices` at once) of a
   chain of (m x k) @ (k x n) @ (n x k) ... matmuls per device (the
@@ -69,6 +59,7 @@ def matmul_rate(shape, devices, dtype="float32", runs=7, target_flops=2e9):
 def copy_bandwidth(devices, nbytes=64 << 20, runs=7):
   """Bytes/s of `DeepCopy` of `nbytes` of float32 on every device at once
   (each device copies its own tensor; the aggregate)."""
+  from tfpar.monitor import peak  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   values = []
   for d in devices:
@@ -82,13 +73,15 @@ def copy_bandwidth(devices, nbytes=64 << 20, runs=7):
       with tf.device(d):
         outs.append(tf.raw_ops.DeepCopy(x=v)[0])
     return tf.add_n(outs)
-  return nbytes * len(devices) / _median_seconds(lambda: run().numpy(), runs)
+  return nbytes * len(devices) / peak.median_seconds(lambda: run().numpy(),
+                                                    runs)
 
 
 def all_reduce_bandwidth(devices, nbytes=16 << 20, runs=7):
   """Bytes/s sent, over all devices, by the ring all-reduce (TF's
   `CollectiveAllReduce`, as `tfpar.DataParallelStrategy` runs it) of
   `nbytes` per device (each device sends 2 (g-1)/g of its input)."""
+  from tfpar.monitor import peak  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfpar  # pylint: disable=g-import-not-at-top
   g = len(devices)
@@ -102,7 +95,7 @@ def all_reduce_bandwidth(devices, nbytes=16 << 20, runs=7):
                           .all_reduce("sum", v)[:1], args=(values,))
     return strategy.reduce("sum", summed, axis=None)
   sent = ring_all_reduce_bytes(nbytes, g) * g
-  return sent / _median_seconds(lambda: run().numpy(), runs)
+  return sent / peak.median_seconds(lambda: run().numpy(), runs)
 
 
 def loopback_bandwidth(nbytes=256 << 20, chunk=1 << 20, runs=3):

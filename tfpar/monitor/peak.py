@@ -49,7 +49,19 @@ def table_peak(device_name, dtype):
   return None
 
 
-def _median_seconds(fn, runs):
+def median_seconds(fn, runs):
+  """Median seconds of `runs` calls of `fn` after one untimed call (which
+  traces and warms up).
+
+  Args:
+    fn: what to time, called with no arguments.
+    runs: timed calls.
+
+  Example:
+
+  >>> median_seconds(lambda: sum(range(100)), runs=3) >= 0
+  True
+  """
   fn()  # Trace and warm up.
   times = []
   for _ in range(runs):
@@ -118,9 +130,9 @@ def matmul_rates(devices, dtype="float32", shape=(256, 1024, 1024), runs=5,
       return tf.add_n(outs)
     return lambda: run().numpy()
 
-  one = pair * reps / _median_seconds(chains([0]), runs)
+  one = pair * reps / median_seconds(chains([0]), runs)
   every = (pair * reps * len(devices) /
-           _median_seconds(chains(range(len(devices))), runs))
+           median_seconds(chains(range(len(devices))), runs))
   return one, every
 
 
