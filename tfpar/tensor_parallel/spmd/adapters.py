@@ -138,12 +138,18 @@ def _record_layouts(strategy, kernel_path, variable_layouts):
 def _late_enable_lora(layer, strategy, tensor_size, groups, placing):
   original = layer.enable_lora
 
+  def placed():
+    """(the layer's tensor groups, a new context creating its variables
+    where its own live)."""
+    if placing is None:
+      return groups, contextlib.nullcontext()
+    return placing(layer)
+
   def enable_lora(rank, *args, **kwargs):
     kernel = keras_layers.dense_kernel(layer)  # Whole if in view already.
     weight = kernel if isinstance(kernel, weights_lib.SpmdWeight) else (
         getattr(kernel, "_tfpar_shard_of", (None,))[0])
-    _, where = ((groups, contextlib.nullcontext()) if placing is None
-                else placing(layer))
+    _, where = placed()
     # Created whole on every device (the kernel seen whole: its shape).
     with strategy.scope(), spread.creating_in_place(), (
         weights_lib.whole_attributes([layer])), where:
@@ -169,8 +175,7 @@ def _late_enable_lora(layer, strategy, tensor_size, groups, placing):
                 for v in keras_layers.own_variables(layer)]
     kind = layouts.DENSE if isinstance(layer, keras.layers.Dense) else (
         layouts.EINSUM)
-    layer_groups, where = ((groups, contextlib.nullcontext())
-                           if placing is None else placing(layer))
+    layer_groups, where = placed()
     with spread.creating_in_place(), where:
       weights_lib.split_layer(
           layouts.LayerLayout(layer, kind, weight.layout.style,
