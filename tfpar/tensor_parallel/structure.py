@@ -30,6 +30,11 @@ def _input_specs(model):
       lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
 
 
+def _known(spec):
+  return tf.TensorSpec([2 if d is None else d for d in spec.shape],
+                       spec.dtype)
+
+
 def trace_calls(model, layers):
   """{layer: (args, kwargs, output)} of `layers` from one symbolic call of
   `model` (a throw-away `tf.function` trace; nothing runs), plus the
@@ -61,7 +66,15 @@ def trace_calls(model, layers):
     return model(x, training=False)
 
   try:
-    tf.function(run, autograph=False).get_concrete_function(specs)
+    try:
+      tf.function(run, autograph=False).get_concrete_function(specs)
+    except Exception:  # pylint: disable=broad-except
+      # A layer branching in Python on a size (Qwen3.5's gated delta layer
+      # pads the sequence to a multiple of its chunk) traces only with
+      # known sizes: once more with every unknown dimension 2.
+      records.clear()
+      tf.function(run, autograph=False).get_concrete_function(
+          tf.nest.map_structure(_known, specs))
   except Exception as error:  # pylint: disable=broad-except
     raise ValueError(
         f"Tensor parallelism's built-in plan traces model {model.name!r} "
