@@ -11,11 +11,13 @@ of the optimizer state (and at stage 3 of the weights): every worker then
 takes part in gathering the whole tensors, and the chief writes them.
 """
 
+import contextlib
 import dataclasses
 import json
 
 import tensorflow as tf
 
+from tfpar import accumulation_change
 from tfpar import keras_hooks
 from tfpar import preemption
 from tfpar import resume_position
@@ -101,8 +103,9 @@ class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
   def on_train_begin(self, logs=None):
     # Checked before the backup loads: a resume that cannot keep the global
     # batch is refused before any work.
-    to_skip = self._resume_position()
-    super().on_train_begin(logs)
+    to_skip, saved_accumulation = self._resume_position()
+    with self._loading_state_of(saved_accumulation):
+      super().on_train_begin(logs)
     self._batches_done = self._steps_run = 0
     self._to_skip = to_skip
     if self.save_before_preemption:
@@ -114,17 +117,38 @@ class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
 
   def _resume_position(self):
     """The batches of the epoch the backup holds (0: no backup), checked
-    against this run's replicas, steps and accumulation."""
+    against this run's replicas, steps and accumulation, and the
+    backup's gradient accumulation (None: unknown)."""
     if not tf.io.gfile.exists(self.metadata_path()):
-      return 0
+      return 0, None
     with tf.io.gfile.GFile(self.metadata_path()) as metadata:
       written = json.load(metadata)
     if resume_position.KEY not in written:  # An older backup.
-      return written.get(self._BATCHES_DONE, 0)
+      return written.get(self._BATCHES_DONE, 0), None
+    saved = resume_position.Position(**written[resume_position.KEY])
     now = resume_position.of_model(self.model, 0, self.params.get("steps"))
     return resume_position.batches_to_skip(
-        resume_position.Position(**written[resume_position.KEY]), now,
-        log=print if is_chief(self.model) else None)
+        saved, now, log=print if is_chief(self.model) else None
+    ), saved.accumulation
+
+  def _loading_state_of(self, saved_accumulation):
+    """A context in which the backup's optimizer state loads into this
+    run's optimizer, whose gradient accumulation may differ."""
+    optimizer = getattr(self.model, "optimizer", None)
+    if (saved_accumulation is None or optimizer is None or
+        saved_accumulation == accumulation_change.accumulation_of(
+            optimizer)):
+      return contextlib.nullcontext()
+    if not optimizer.built:  # As Keras does before loading a backup; the
+      # saving of split states is set up when the optimizer is built.
+      optimizer.build(self.model.trainable_variables)
+    current = {}  # The whole entries it loads, in order: every worker
+    # takes part in gathering split ones, as for a save.
+    with zero_checkpoint.whole_values(self.model), whole_experts.prefetched(
+        self.model):
+      optimizer.save_own_variables(current)
+    return accumulation_change.loading_across(optimizer, saved_accumulation,
+                                              current)
 
   def _skip_trained_batches(self):
     """Makes the next train-function calls read, and not train on, the

@@ -9,7 +9,10 @@ backup holds whole tensors, resharded as they load), and the input
 position is kept when every optimizer update still averages the same
 examples, i.e. the run makes as many updates per epoch. A resume that
 changes that (the global batch) is a `ValueError` naming the numbers,
-raised before the backup is loaded.
+raised before the backup is loaded. The gradient accumulation may change
+(`tfpar.accumulation_change` converts the optimizer state) when each
+epoch holds whole accumulations and the backup was made at the end of
+one; the resume then skips as many updates' batches.
 """
 
 import dataclasses
@@ -93,13 +96,7 @@ def batches_to_skip(saved, now, log=print):
           f"steps_per_epoch.")
     return saved.batches_done
   if saved.accumulation != now.accumulation:
-    raise ValueError(
-        f"Cannot resume a backup made with gradient_accumulation_steps "
-        f"{saved.accumulation} with gradient_accumulation_steps "
-        f"{now.accumulation}: the optimizer's state does not load across a "
-        f"change of accumulation (Keras skips it with a warning). Keep "
-        f"gradient_accumulation_steps={saved.accumulation} and adjust the "
-        f"per-replica batch (tfpar.keep_global_batch).")
+    _check_accumulation_change(saved, now)
   updates_saved = saved.steps_per_epoch / saved.accumulation
   updates_now = now.steps_per_epoch / now.accumulation
   if updates_saved != updates_now:
@@ -111,9 +108,35 @@ def batches_to_skip(saved, now, log=print):
         f"interrupted one. Pass fit the same global batch_size on every "
         f"number of replicas (tfpar.keep_global_batch computes the "
         f"per-replica batch).")
+  to_skip = saved.batches_done
+  if saved.accumulation != now.accumulation:  # The same updates, in
+    # another number of batches.
+    to_skip = saved.batches_done // saved.accumulation * now.accumulation
   if log is not None:
-    log(f"tfpar: resuming at batch {saved.batches_done} of the epoch, on "
+    log(f"tfpar: resuming at batch {to_skip} of the epoch, on "
         f"{now.describe()}, from a backup made on {saved.describe()}: the "
         f"same {updates_now:g} optimizer updates per epoch (the global "
         f"batch kept)")
-  return saved.batches_done
+  return to_skip
+
+
+def _check_accumulation_change(saved, now):
+  """Raises a ValueError unless a resume may change the gradient
+  accumulation: whole accumulations in each epoch, the backup at the end
+  of one."""
+  for position in (saved, now):
+    if position.steps_per_epoch % position.accumulation:
+      raise ValueError(
+          f"Cannot resume a backup made on {saved.describe()} on "
+          f"{now.describe()}: {position.steps_per_epoch} steps per epoch "
+          f"are not a whole number of accumulations of "
+          f"{position.accumulation} steps, so an update would span two "
+          f"epochs. Keep gradient_accumulation_steps={saved.accumulation} "
+          f"or pick a batch whose steps per epoch divide evenly.")
+  if saved.batches_done % saved.accumulation:
+    raise ValueError(
+        f"Cannot resume a backup made on {saved.describe()} after "
+        f"{saved.batches_done} batches of the epoch, in the middle of an "
+        f"accumulation of {saved.accumulation}, with "
+        f"gradient_accumulation_steps {now.accumulation}. Keep "
+        f"gradient_accumulation_steps={saved.accumulation}.")
