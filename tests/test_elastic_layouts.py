@@ -5,8 +5,10 @@ accumulating gradients instead of adjusting the per-replica batch.
 One chain of launches (real processes on loopback, 4 virtual CPUs per
 worker; `workers/elastic_layouts_worker.py` trains every layout in turn in
 each process) covers them all: 1 worker trains epoch 0 and crashes after
-a step backup, 2 workers resume it (more replicas) and crash in epoch 1,
-1 worker resumes (fewer) and finishes. The global batch (16) is kept on
+a step backup, 2 workers resume it (more replicas) and crash in epoch 1
+(the last layout, ZeRO-2, is preempted instead: SIGTERM to worker 1, every
+worker saves the same step, the job exits 143), 1 worker resumes (fewer)
+and finishes. The global batch (16) is kept on
 every number of replicas; the last resume of the ZeRO-2 layout keeps it
 with 2 gradient-accumulation steps of per-replica batch 2 where the
 backup had none (and, on one device, a backup made with accumulation
@@ -36,13 +38,15 @@ _REPLICAS = {"tensor": 2, "pipeline": 2, "expert": 4, "three_d": 1,
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-  """The output folder and the chief's log of each of the three launches
-  (1, 2, then 1 worker)."""
+  """The output folder and the log of each of the three launches (1, 2,
+  then 1 worker); the second ends preempted (exit 143)."""
   out = str(tmp_path_factory.mktemp("elastic_layouts"))
   logs = []
   for part, workers in enumerate((1, 2, 1)):
-    run = launch_common.launch_ok(_WORKER, out, part, workers=workers,
-                                  devices_per_worker=4, timeout=600)
+    run = launch_common.launch(_WORKER, out, part, workers=workers,
+                               devices_per_worker=4, timeout=600)
+    assert run.returncode == (143 if part == 1 else 0), (
+        run.stdout[-4000:] + run.stderr[-2000:])
     logs.append(run.stdout)
   return out, logs
 
@@ -69,6 +73,39 @@ def test_a_layout_resumes_on_more_then_fewer_workers(chain, layout):
   print(f"\n{layout}: final weights differ from one device's by "
         f"{difference:.1e}")
   assert difference < 1e-5
+
+
+def test_zero_slices_its_optimizer_state_anew_on_each_number_of_workers(
+    chain):
+  out, _ = chain
+  sizes = [int(np.prod(w.shape)) for w in worker.build_model("zero1").weights]
+  for layout, part in (("zero1", 0), ("zero1", 1), ("zero1", 2),
+                       ("zero2", 0), ("zero2", 2)):
+    replicas = _REPLICAS[layout] * (2 if part == 1 else 1)
+    with open(os.path.join(out, f"{layout}.bytes{part}.json")) as f:
+      held = json.load(f)
+    # Each weight's two Adam moments, sliced (padded) over the replicas:
+    # 1/4, then 1/8 on 2 workers, then 1/4 again of 2 x 833 floats.
+    want = sum(-(-size // replicas) for size in sizes) * 2 * 4
+    assert len(held) == 4 and set(held.values()) == {want}, (
+        layout, part, held, want)
+    print(f"\n{layout} part {part}: {want} bytes of Adam moments per "
+          f"device, of {2 * 4 * sum(sizes)} whole")
+
+
+def test_a_preempted_layout_saves_on_every_worker_and_resumes(chain):
+  _, logs = chain
+  for task in (0, 1):
+    assert (f"[worker {task}] tfpar: preempted (SIGTERM); saved, exiting "
+            "with 143" in logs[1]), logs[1][-4000:]
+  # SIGTERM to worker 1 before batch 1 of epoch 1: both saved after batch
+  # 2 (3 batches, the step after the one in progress), which the resume
+  # under 2 accumulation steps finds at batch 6.
+  assert (f"[{worker.LAYOUTS[-1]}] tfpar: global batch" in logs[2] and
+          "tfpar: resuming at batch 6 of the epoch, on 4 replicas on 1 "
+          "worker(s), 8 steps per epoch, gradient_accumulation_steps 2, "
+          "from a backup made on 8 replicas on 2 worker(s), 4 steps per "
+          "epoch" in logs[2]), logs[2][-4000:]
 
 
 def test_the_accumulation_resume_says_what_it_adjusted(chain):
@@ -98,7 +135,7 @@ def _interrupted(backup_dir, accumulation, save_freq, at):
               epochs=worker.EPOCHS, shuffle=False, verbose=0,
               callbacks=[tfpar.BackupAndRestore(backup_dir,
                                                 save_freq=save_freq),
-                         worker.Interrupt(at)])
+                         worker.Interrupt(at, task=0)])
 
 
 def test_a_resume_drops_the_accumulation_and_refuses_mid_accumulation(

@@ -7,9 +7,12 @@ batch 16 (`tfpar.keep_global_batch`), 4 steps per epoch, 2 epochs.
 
 The test launches it three times on the same OUT_DIR (`PART` 0, 1, 2):
 part 0 raises before batch 3 of epoch 0 (its backup holds 2 batches),
-part 1 resumes and raises before batch 3 of epoch 1, part 2 resumes and
-finishes; the chief then writes `OUT_DIR/<layout>.json` (the final
-weights, the optimizer's updates, the replicas and workers). In part 2
+part 1 resumes and raises before batch 3 of epoch 1 (the last layout:
+worker 1 gets SIGTERM before batch 1 of epoch 1, every worker saves the
+same step and the job exits 143), part 2 resumes and finishes; the chief then writes `OUT_DIR/<layout>.json` (the final
+weights, the optimizer's updates, the replicas and workers) and, for
+ZeRO, `<layout>.bytes<PART>.json`: the bytes of Adam moments on each of
+its devices. In part 2
 the `ACCUMULATES` layout keeps the global batch by accumulating gradients
 (per-replica batch 2) instead of adjusting the per-replica batch.
 
@@ -18,6 +21,7 @@ Usage: elastic_layouts_worker.py OUT_DIR PART [LAYOUT ...]
 
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,12 +32,14 @@ import numpy as np
 import dp_common
 import pp_common
 import tfpar
+from tfpar import memory
 import tp_common
 
 GLOBAL_BATCH = 16
 STEPS_PER_EPOCH = 4
 EPOCHS = 2
 INTERRUPT = {0: (0, 3), 1: (1, 3), 2: None}  # Part: (epoch, batch).
+PREEMPT = (1, 1)  # Part 1's last layout: SIGTERM before that batch.
 
 
 def _moe_model():
@@ -108,18 +114,36 @@ ACCUMULATES = "zero2"  # Resumes on fewer workers with more accumulation.
 
 
 class Interrupt(keras.callbacks.Callback):
-  """Raises before batch `at[1]` of epoch `at[0]` (a crash of the job)."""
+  """Raises before batch `at[1]` of epoch `at[0]` (a crash of the job);
+  with `preempt`, worker 1 sends itself SIGTERM there instead (every
+  worker then saves the same step and exits 143)."""
 
-  def __init__(self, at):
+  def __init__(self, at, task, preempt=False):
     super().__init__()
-    self.at = at
+    self.at, self.task, self.preempt = at, task, preempt
 
   def on_epoch_begin(self, epoch, logs=None):
     self.epoch = epoch
 
   def on_train_batch_begin(self, batch, logs=None):
-    if self.at == (self.epoch, batch):
+    if self.at != (self.epoch, batch):
+      return
+    if not self.preempt:
       raise RuntimeError("interrupted")
+    if self.task == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def slot_bytes(model):
+  """{device: bytes} of the Adam moments (sliced under ZeRO) this worker
+  holds, counted from each per-device variable's shape."""
+  held = {}
+  for variable in model.optimizer.variables:
+    if variable.name.endswith(("_momentum", "_velocity")):
+      for component in memory.components(variable):
+        held[component.device] = held.get(component.device, 0) + (
+            component.shape.num_elements() * component.dtype.size)
+  return held
 
 
 def run(out_dir, layout, part):
@@ -140,7 +164,9 @@ def run(out_dir, layout, part):
     callbacks.append(tfpar.ZeRO(stage=int(layout[-1])))
   callbacks += [tfpar.BackupAndRestore(
       os.path.join(out_dir, f"{layout}_backup"), save_freq=2)]
-  callbacks.append(Interrupt(INTERRUPT[part]))
+  preempt = part == 1 and layout == LAYOUTS[-1]  # Then exits 143.
+  callbacks.append(Interrupt(PREEMPT if preempt else INTERRUPT[part], task,
+                             preempt=preempt))
   x, y = data(layout)
   try:
     model.fit(x, y, batch_size=plan.batch_size, epochs=EPOCHS,
@@ -148,6 +174,13 @@ def run(out_dir, layout, part):
   except RuntimeError as error:
     if "interrupted" not in str(error):
       raise
+    interrupted = True
+  else:
+    interrupted = False
+  if task == 0 and layout.startswith("zero"):
+    with open(os.path.join(out_dir, f"{layout}.bytes{part}.json"), "w") as f:
+      json.dump(slot_bytes(model), f)
+  if interrupted:
     return
   weights = model.get_weights()  # Every worker: a gather where split.
   if task == 0:
