@@ -71,6 +71,13 @@ class BackupAndRestore(keras_callbacks.BackupAndRestoreBase):
   (`tfpar.preemption.PREEMPTED_EXIT_CODE`, TensorFlow's); the relaunched
   job resumes at the next batch.
 
+  A backup resumes on any number of workers and replicas when the global
+  batch is kept (`tfpar.keep_global_batch`), also with another
+  `gradient_accumulation_steps` when it was made at the end of an
+  accumulation (its optimizer state is converted:
+  `tfpar.accumulation_change`); a resume that cannot keep it is a
+  `ValueError` before anything loads.
+
   Args:
     backup_dir: as `keras.callbacks.BackupAndRestore`; it must be readable
       by every worker.
