@@ -35,6 +35,15 @@ def _known(spec):
                        spec.dtype)
 
 
+class _Calls(dict):
+  """`trace_calls`'s records; `repeated` holds the layers called more than
+  once (only their last call is recorded)."""
+
+  def __init__(self):
+    super().__init__()
+    self.repeated = set()
+
+
 def trace_calls(model, layers):
   """{layer: (args, kwargs, output)} of `layers` from one symbolic call of
   `model` (a throw-away `tf.function` trace; nothing runs), plus the
@@ -43,11 +52,13 @@ def trace_calls(model, layers):
   specs = _input_specs(model)
   if specs is None:
     return {}
-  records = {}
+  records = _Calls()
 
   def recording(layer, original):
     def call(*args, **kwargs):
       output = original(*args, **kwargs)
+      if layer in records:
+        records.repeated.add(layer)
       records[layer] = (args, kwargs, output)
       return output
     return call
@@ -73,6 +84,7 @@ def trace_calls(model, layers):
       # pads the sequence to a multiple of its chunk) traces only with
       # known sizes: once more with every unknown dimension 2.
       records.clear()
+      records.repeated.clear()
       tf.function(run, autograph=False).get_concrete_function(
           tf.nest.map_structure(_known, specs))
   except Exception as error:  # pylint: disable=broad-except
@@ -116,7 +128,15 @@ def mlp_styles(model, candidates, calls=None):
     only, from the outputs of COLUMN layers (with elementwise activations)
     split along the same axis.
   """
-  records = _trace(model, candidates, calls)
+  if calls is None:
+    calls = trace_calls(model, candidates)
+  # A projection called more than once (Gemma3n's AltUp router, once per
+  # prediction and once per correction) pairs with its last call's
+  # consumers only: its other calls' outputs would reach unsplit layers.
+  repeated = getattr(calls, "repeated", ())
+  records = {layer: found for layer, found in
+             _trace(model, candidates, calls).items()
+             if layer not in repeated}
   columns = {}
   for layer, (_, output) in records.items():
     axis = layouts.activation_split_axis(layer, styles.COLUMN)
