@@ -20,11 +20,14 @@ import json
 import os
 import sys
 
+import keras
 import numpy as np
 import pytest
 
 import launch_common
 import tfpar
+from tfpar import accumulation_change
+from tfpar import resume_position
 
 _WORKER = os.path.join(os.path.dirname(__file__), "workers",
                        "elastic_layouts_worker.py")
@@ -170,3 +173,22 @@ def test_a_resume_drops_the_accumulation_and_refuses_mid_accumulation(
                 callbacks=[tfpar.BackupAndRestore(str(tmp_path / "half"))])
   for got, want in zip(refused.get_weights(), before):
     np.testing.assert_array_equal(got, want)
+
+
+def test_what_a_change_of_accumulation_cannot_keep_is_refused():
+  # 6 steps per epoch are not whole accumulations of 4: an update would
+  # span two epochs.
+  with pytest.raises(ValueError, match="6 steps per epoch are not a whole "
+                     "number of accumulations of 4 steps"):
+    resume_position.batches_to_skip(
+        resume_position.Position(2, 3, 1, replicas=4, workers=2),
+        resume_position.Position(0, 6, 4, replicas=1, workers=1))
+  # A learning-rate schedule counts micro-steps under accumulation.
+  schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.5)
+  optimizer = keras.optimizers.Adam(schedule, gradient_accumulation_steps=2)
+  optimizer.build([keras.Variable([1.0, 2.0])])
+  with pytest.raises(ValueError, match=r"gradient_accumulation_steps 1 "
+                     r"into optimizer 'adam\w*' with "
+                     r"gradient_accumulation_steps 2: its learning-rate "
+                     r"schedule counts micro-steps"):
+    accumulation_change.converted_store(optimizer, {}, 1, {})

@@ -9,12 +9,13 @@ The test launches it three times on the same OUT_DIR (`PART` 0, 1, 2):
 part 0 raises before batch 3 of epoch 0 (its backup holds 2 batches),
 part 1 resumes and raises before batch 3 of epoch 1 (the last layout:
 worker 1 gets SIGTERM before batch 1 of epoch 1, every worker saves the
-same step and the job exits 143), part 2 resumes and finishes; the chief then writes `OUT_DIR/<layout>.json` (the final
-weights, the optimizer's updates, the replicas and workers) and, for
-ZeRO, `<layout>.bytes<PART>.json`: the bytes of Adam moments on each of
-its devices. In part 2
-the `ACCUMULATES` layout keeps the global batch by accumulating gradients
-(per-replica batch 2) instead of adjusting the per-replica batch.
+same step and the job exits 143), part 2 resumes and finishes; the chief
+then writes `OUT_DIR/<layout>.json` (the final weights, the optimizer's
+updates, the replicas and workers) and, for ZeRO,
+`<layout>.bytes<PART>.json` (the bytes of Adam moments on each of its
+devices). In part 2 the `ACCUMULATES` layout keeps the global batch by
+accumulating gradients (per-replica batch 2) instead of adjusting the
+per-replica batch.
 
 Usage: elastic_layouts_worker.py OUT_DIR PART [LAYOUT ...]
 """
