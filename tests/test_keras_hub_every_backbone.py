@@ -178,7 +178,10 @@ def _split_and_train(name, train):
   return (f"{_task_name(common.task_class(cls))} | "
           f"{_attention_layout(model)} | {worst} | {fullest:,} / {total:,} "
           f"= {fullest / total:.3f} | {megatron / total:.3f} "
-          f"({fullest / megatron:.3f})")
+          f"({fullest / megatron:.3f})" + (
+              f"; {share / total:.3f} ({fullest / share:.3f}) with "
+              f"{', '.join(p.rsplit('/', 1)[0] for p in whole)} whole"
+              if whole else ""))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
