@@ -14,9 +14,7 @@ import inspect
 import keras
 import keras_hub
 import numpy as np
-import tensorflow as tf
 
-import hub_common
 import tfpar
 from tfpar._compat import keras_layers
 
@@ -289,11 +287,6 @@ def megatron_share(model, whole=()):
     halved = weight.path in halves and weight.path not in whole
     share += size / 2 if halved else size
   return share
-
-
-def bytes_per_device(model, prefix=""):
-  """{device: bytes} of every per-device variable under `prefix`."""
-  return hub_common.bytes_by_device(model, prefix)
 
 
 def nudged_difference(backbone_cls, size=1e-7):

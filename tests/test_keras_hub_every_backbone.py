@@ -20,10 +20,10 @@ import datetime
 import os
 import re
 
-import numpy as np
 import pytest
 
 import every_backbone_common as common
+import hub_common
 import suite_scope
 from tfpar.tensor_parallel import families
 
@@ -146,8 +146,8 @@ def _whole_on_every_device(model, reference, pattern):
            w.path in reference.backbone_weight_paths]
   assert paths, pattern
   for path in paths:
-    whole = sum(common.bytes_per_device(reference, path).values())
-    held = common.bytes_per_device(model, path)
+    whole = sum(hub_common.bytes_by_device(reference, path).values())
+    held = hub_common.bytes_by_device(model, path)
     assert len(held) == 4 and set(held.values()) == {whole}, (path, held)
   return paths
 
@@ -160,8 +160,8 @@ def _split_and_train(name, train):
   reference = common.reference(cls)
   whole = _whole_on_every_device(model, reference, WHOLE[name]) if (
       name in WHOLE) else ()
-  fullest = max(common.bytes_per_device(model).values())
-  total = sum(common.bytes_per_device(reference).values())
+  fullest = max(hub_common.bytes_by_device(model).values())
+  total = sum(hub_common.bytes_by_device(reference).values())
   megatron = common.megatron_share(reference)
   share = common.megatron_share(reference, whole)
   assert fullest <= share * 1.05, (fullest, share)
@@ -193,8 +193,8 @@ def test_text_backbone_splits_like_megatron(name):
     print(f"\n| {name} | | not built: {NOT_BUILT[name]} | | | |")
     return
   if name in REFUSED:
-    # At creation, or (an attention returning its scores) in the first
-    # step; training runs whatever the rotation.
+    # At creation, or in the first step (an attention returning more than
+    # its output): training runs whatever the rotation.
     with pytest.raises(ValueError, match=REFUSED[name]) as refusal:
       _split_and_train(name, train=True)
     reason = re.search(REFUSED[name], str(refusal.value)).group(0)
