@@ -27,6 +27,7 @@ Modules:
   keras_hub_blocks: keras-hub blocks' attention masks (sequence slices).
   keras_hub_generate: keras-hub's CausalLM.generate handed to the strategy.
   graph_functions: the function graphs a traced op calls (tfpar.monitor).
+  custom_gradients: traced custom gradients released with their graph.
 """
 
 from tfpar._compat.checks import Incompatible

@@ -24,6 +24,7 @@ from tfpar import batches
 from tfpar import keras_hooks
 from tfpar import timeouts as timeouts_lib
 from tfpar import watchdog
+from tfpar._compat import custom_gradients
 from tfpar._compat import keras_optimizer_hooks
 from tfpar._compat.tf_modules import collective_all_reduce_strategy
 from tfpar._compat.tf_modules import nest
@@ -92,6 +93,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     keras_hooks.install_symbolic_build_batch()
     keras_optimizer_hooks.install_accumulation_without_merge_call()
     keras_optimizer_hooks.install_global_overflow_check()
+    custom_gradients.hold_custom_gradients_on_their_graphs()
     self._init_merge_free()
     self._local_groups = tuple(
         group for group in mesh.replicas if mesh.is_local(group[0]))
