@@ -10,10 +10,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tfpar  # pylint: disable=g-import-not-at-top
+from tfpar._compat import custom_gradients  # pylint: disable=g-import-not-at-top
 
 NUM_TEST_DEVICES = 4
 _CPU = pytest.StashKey[dict]()
 tfpar.configure_virtual_cpus(NUM_TEST_DEVICES)
+# As a process does once it has made a tfpar strategy: graphs traced with
+# `tf.custom_gradient` (Keras's int8 Dense in the one-device references too)
+# are released with their last user, not kept for the whole run.
+custom_gradients.hold_custom_gradients_on_their_graphs()
 
 
 def _cpu_seconds():

@@ -7,6 +7,9 @@ keep every retraced step's graph, model and optimizer alive
 """
 
 import gc
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -66,3 +69,21 @@ def test_a_function_differentiated_after_its_trace_finds_its_gradient():
     tape.watch(x)
     y = forward(x)
   assert float(tape.gradient(y, x)) == 4.0
+
+
+def test_making_a_strategy_installs_the_release(tmp_path):
+  """The test process installs it up front (conftest); a user's process
+  does when its first tfpar strategy is made."""
+  script = tmp_path / "probe.py"
+  script.write_text(
+      "import tfpar\n"
+      "from tfpar._compat import custom_gradients\n"
+      "before = custom_gradients.installed()\n"
+      "tfpar.DataParallelStrategy()\n"
+      "print(before, custom_gradients.installed())\n")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [os.path.dirname(os.path.dirname(tfpar.__file__)),
+       os.environ.get("PYTHONPATH", "")]))
+  result = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
+                          capture_output=True, text=True, check=True)
+  assert result.stdout.split()[-2:] == ["False", "True"]

@@ -98,6 +98,17 @@ def hold_custom_gradients_on_their_graphs():
     return len(scoped)
 
 
+def installed():
+  """Whether the graph-scoped registry is installed in this process.
+
+  >>> hold_custom_gradients_on_their_graphs() >= 0 and installed()
+  True
+  """
+  registry = checks.require(ops, "_gradient_registry",
+                            "releasing custom gradients with their graph")
+  return isinstance(getattr(registry, "_registry", None), _GraphScopedRegistry)
+
+
 def registered_custom_gradients():
   """How many traced custom gradients TensorFlow's registry names now.
 
