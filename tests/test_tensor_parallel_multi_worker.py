@@ -34,14 +34,12 @@ def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, zero):
   reference, losses = one_device.model, one_device.losses
   px, py = tp_common.data("gpt", count=20, seed=7)
   weights = tfpar.logical_weights(reference)
+  evaluation = reference.evaluate(px, py, batch_size=8, verbose=0)
+  predictions = reference.predict(px, batch_size=8, verbose=0)
   for result in results:
     np.testing.assert_allclose(result["losses"], losses, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(
-        result["evaluate"], reference.evaluate(px, py, batch_size=8,
-                                               verbose=0), atol=1e-5)
-    np.testing.assert_allclose(
-        result["predict"], reference.predict(px, batch_size=8, verbose=0),
-        atol=1e-5)
+    np.testing.assert_allclose(result["evaluate"], evaluation, atol=1e-5)
+    np.testing.assert_allclose(result["predict"], predictions, atol=1e-5)
     for path, value in weights.items():
       np.testing.assert_allclose(result["weights"][path], value, atol=1e-5,
                                  err_msg=path)
@@ -49,8 +47,10 @@ def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, zero):
   # Keras's weight API in whole weights across workers: get_weights and
   # the numpy values of model.weights give one device's arrays (count,
   # order, shapes, values), count_params its count; set_weights takes
-  # them (predictions of a fresh seed-9 GPT's weights).
-  fresh = tp_common.gpt(seed=9)
+  # them (predictions of a fresh seed-9 GPT's weights). The same one-device
+  # GPT then loads the workers' save (one predict function for both).
+  restored = tp_common.compile_model(tp_common.gpt(seed=9))
+  fresh_predictions = restored.predict(px, verbose=0)
   for result in results:
     for got in (result["get_weights"], result["weights_numpy"]):
       assert [np.shape(w) for w in got] == [
@@ -59,9 +59,8 @@ def test_two_workers_tensor_parallel_fit_equals_one_device(tmp_path, zero):
         np.testing.assert_allclose(ours, theirs, atol=1e-5)
     assert result["count_params"] == reference.count_params()
     np.testing.assert_allclose(result["predict_after_set_weights"],
-                               fresh.predict(px, verbose=0), atol=1e-5)
+                               fresh_predictions, atol=1e-5)
 
-  restored = tp_common.compile_model(tp_common.gpt(seed=9))
   restored.optimizer.build(restored.trainable_variables)
   restored.load_weights(str(tmp_path / "weights.weights.h5"))
   np.testing.assert_allclose(restored.predict(px, verbose=0),
