@@ -14,6 +14,7 @@ quantized to int8 then LoRA'd inside the scope (QLoRA-style) at tensor
 layout map). Stock layers: `test_tensor_lora_layers.py`.
 """
 
+import functools
 import re
 
 import keras
@@ -28,13 +29,21 @@ import variable_accounting
 from tfpar.common import whole_weights
 
 
-def test_gemma_lora_enabled_after_sharding(tmp_path):
+@functools.lru_cache(maxsize=None)
+def _gemma_lora_reference():
+  """(model, initial logical weights): Gemma with LoRA trained on one
+  device, shared by the tests that compare against it (trained once)."""
   reference = lora_common.causal_lm("gemma")
   reference.backbone.enable_lora(rank=4)
   lora_common.set_lora(reference)
   initial = tfpar.logical_weights(reference)
   lora_common.compile_model(reference)
   lora_common.fit(reference, lora_common.hub_data())
+  return reference, initial
+
+
+def test_gemma_lora_enabled_after_sharding(tmp_path):
+  reference, initial = _gemma_lora_reference()
 
   layout = {"data": 2, "tensor": 2}
   strategy = lora_common.strategy(layout)
@@ -148,7 +157,8 @@ def test_gemma_lora_in_the_keras_guide_flow():
     lora_common.compile_model(model)
     lora_common.fit(model, lora_common.hub_data())
     return tfpar.logical_weights(model)
-  expected = flow()
+  # One device's run of the same flow: the shared reference.
+  expected = tfpar.logical_weights(_gemma_lora_reference()[0])
   mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
   try:
     keras.distribution.set_distribution(keras.distribution.ModelParallel(
