@@ -19,12 +19,17 @@ import suite_scope
 import tfpar
 
 STEPS_PER_EPOCH, EPOCHS, BATCH = 6, 3, 16
+# One Dense pair and a head for the exact float32 checks: every layout (a
+# pipeline's two stages, a tensor pair) still applies, and each new strategy
+# traces (per device) fewer ops. The mixed_float16 checks keep two pairs:
+# how far rounding drifts from one device depends on the model.
+BLOCKS, MIXED_BLOCKS = 1, 2
 
 
-def _chain():
+def _chain(blocks=BLOCKS):
   inputs = keras.Input((8,))
   x = inputs
-  for b in range(2):
+  for b in range(blocks):
     x = keras.layers.Dense(16, activation="tanh", name=f"b{b}_in")(x)
     x = keras.layers.Dense(8, name=f"b{b}_out")(x)
   model = keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
@@ -40,11 +45,13 @@ def _data(rows=STEPS_PER_EPOCH * BATCH):
   return x, np.stack([np.sin(x[:, 0]), x[:, 1] * x[:, 2], x[:, 3]], 1)
 
 
-def _train(strategy, optimizer, callbacks=None, batch_size=BATCH):
+def _train(strategy, optimizer, callbacks=None, batch_size=BATCH,
+           blocks=BLOCKS):
   """`optimizer`: makes the optimizer, in the strategy's scope (Keras's TF
-  optimizer keeps the strategy current when it is created)."""
+  optimizer keeps the strategy current when it is created); `blocks`: the
+  model's Dense pairs."""
   with strategy.scope() if strategy else tf.init_scope():
-    model = _chain()
+    model = _chain(blocks)
     model.compile(optimizer=optimizer(), loss="mse")
   history = model.fit(*_data(), batch_size=batch_size, epochs=EPOCHS,
                       shuffle=False, verbose=0, callbacks=callbacks)
@@ -149,8 +156,9 @@ def test_gradients_cross_replicas_once_per_optimizer_step(layout):
     model = _chain()
     size = lambda w: int(np.prod(w.shape)) * 4
     split = sum(size(model.get_layer(f"b{b}_{part}").kernel)
-                for b in range(2) for part in ("in", "out"))
-    split += sum(size(model.get_layer(f"b{b}_in").bias) for b in range(2))
+                for b in range(BLOCKS) for part in ("in", "out"))
+    split += sum(size(model.get_layer(f"b{b}_in").bias)
+                 for b in range(BLOCKS))
     replicated = sum(w.size * 4 for w in model.get_weights()) - split
     assert per_step[0] == (4, 2 * (split + 2 * replicated)), per_step
   print(f"{layout}: per optimizer step {per_step[0][0]:.0f} all-reduces, "
@@ -170,7 +178,7 @@ def _mixed_float16_train(strategy, optimizer, callbacks=None):
   """Losses and weights of `_train` under mixed_float16."""
   keras.mixed_precision.set_global_policy("mixed_float16")
   try:
-    return _train(strategy, optimizer, callbacks)
+    return _train(strategy, optimizer, callbacks, blocks=MIXED_BLOCKS)
   finally:
     keras.mixed_precision.set_global_policy("float32")
 
