@@ -81,6 +81,30 @@ def _generate(model, inputs=None, **kwargs):
   return model.generate(_prompts() if inputs is None else inputs, **kwargs)
 
 
+_CLASSES = {_gpt2: keras_hub.models.GPT2CausalLM,
+            _llama: keras_hub.models.LlamaCausalLM,
+            _mixtral: keras_hub.models.MixtralCausalLM}
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(build, sampler):
+  """One device's generate from a fresh `build()` model, computed once
+  for every test that compares against it.
+
+  Returns:
+    A dict: "model"; "first" and "second", the outputs of its first and
+    second `generate`; "caches", what `_caches` recorded of the first;
+    "sampler", its sampler's variables after the second.
+  """
+  model = _model(build, sampler)
+  with _caches(_CLASSES[build]) as caches:
+    first = _generate(model)
+  second = _generate(model)
+  return {"model": model, "first": first, "second": second,
+          "caches": caches,
+          "sampler": [v.numpy() for v in model.sampler.variables]}
+
+
 @contextlib.contextmanager
 def _caches(model_class):
   """Records (device, shape, bytes) of every cache `model_class`'s
@@ -143,9 +167,8 @@ def test_gpt2_tokens_and_cache_under_data2_tensor2():
   strategy = tfpar.TensorParallelStrategy(
       tfpar.Mesh({"data": 2, "tensor": 2}))
   for sampler in ("greedy", "top_k"):
-    single = _model(_gpt2, sampler)
-    with _caches(keras_hub.models.GPT2CausalLM) as reference:
-      expected = _generate(single)
+    single = _one_device(_gpt2, sampler)
+    reference, expected = single["caches"], single["first"]
     model = _model(_gpt2, sampler, strategy)
     with _caches(keras_hub.models.GPT2CausalLM) as seen:
       got = _generate(model)
@@ -154,11 +177,11 @@ def test_gpt2_tokens_and_cache_under_data2_tensor2():
                                   expected["padding_mask"])
     # Again (the same function): the sampler's seed moved on alike.
     np.testing.assert_array_equal(_generate(model)["token_ids"],
-                                  _generate(single)["token_ids"])
+                                  single["second"]["token_ids"])
     # The sampler ran once per token, as on one device.
-    for ours, theirs in zip(model.sampler.variables,
-                            single.sampler.variables):
-      np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+    assert len(model.sampler.variables) == len(single["sampler"])
+    for ours, theirs in zip(model.sampler.variables, single["sampler"]):
+      np.testing.assert_array_equal(ours.numpy(), theirs)
     # 4 heads over 2 devices: each of the 4 devices holds 2 heads' cache.
     _check_split_cache(keras_hub.models.GPT2CausalLM, seen, reference,
                        _devices(4), 1 / 2)
@@ -169,8 +192,8 @@ def test_llama_shared_key_value_heads_under_tensor4():
   """2 key/value heads over 4 devices: each pair of devices shares one,
   so each device's cache is half of one device's."""
   strategy = tfpar.TensorParallelStrategy(tfpar.Mesh({"data": 1, "tensor": 4}))
-  with _caches(keras_hub.models.LlamaCausalLM) as reference:
-    expected = _generate(_model(_llama, "top_k"))
+  single = _one_device(_llama, "top_k")
+  reference, expected = single["caches"], single["first"]
   with _caches(keras_hub.models.LlamaCausalLM) as seen:
     got = _generate(_model(_llama, "top_k", strategy))
   np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
@@ -184,7 +207,7 @@ def test_llama_under_keras_distribution_layouts():
   which tfpar leaves to the strategy without a warning. The layout map
   also spreads weights over the batch axis: the strategy's ZeRO-3, so
   generate runs from 1/4 of the weights per device."""
-  expected = _generate(_model(_llama, "top_k"))
+  expected = _one_device(_llama, "top_k")["first"]
   mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
   distribution = keras.distribution.ModelParallel(
       layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
@@ -267,22 +290,22 @@ STRATEGIES = {
 
 @pytest.mark.parametrize("layout", sorted(STRATEGIES))
 def test_generate_under_strategies_without_a_tensor_axis(layout):
-  single = _model(_gpt2, "top_k")
-  expected = _generate(single)
+  single = _one_device(_gpt2, "top_k")
+  expected = single["first"]
   model = _model(_gpt2, "top_k", STRATEGIES[layout]())
   got = _generate(model)
   np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
   if layout == "data4_zero3":  # Generated from 1/4 of the weights each.
     held = hub_common.bytes_by_device(model)
-    total = sum(hub_common.bytes_by_device(single).values())
+    total = sum(hub_common.bytes_by_device(single["model"]).values())
     assert len(held) == 4 and max(held.values()) < 0.3 * total, held
 
 
 def test_mixtral_under_expert_x_tensor():
   strategy = tfpar.ExpertParallelStrategy(
       tfpar.Mesh({"data": 2, "tensor": 2}), expert=2)
-  with _caches(keras_hub.models.MixtralCausalLM) as reference:
-    expected = _generate(_model(_mixtral, "top_k"))
+  single = _one_device(_mixtral, "top_k")
+  reference, expected = single["caches"], single["first"]
   with _caches(keras_hub.models.MixtralCausalLM) as seen:
     got = _generate(_model(_mixtral, "top_k", strategy))
   np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
@@ -298,8 +321,8 @@ def test_llama_under_pipeline_x_tensor():
   strategy = tfpar.PipelineParallelStrategy(
       tfpar.Mesh({"data": 1, "pipeline": 2, "tensor": 2}), num_microbatches=2)
   for sampler in ("greedy", "top_k"):
-    with _caches(keras_hub.models.LlamaCausalLM) as reference:
-      expected = _generate(_model(_llama, sampler))
+    single = _one_device(_llama, sampler)
+    reference, expected = single["caches"], single["first"]
     model = _model(_llama, sampler, strategy)
     with _caches(keras_hub.models.LlamaCausalLM) as seen:
       got = _generate(model)
