@@ -96,19 +96,20 @@ def _data(task, form):
 
 
 @functools.lru_cache(maxsize=None)
-def _initial_weights(task):
+def _one_device_model(task):
+  """(one device's model, its initial weights), built once per task: the
+  reference trains this model, every other model starts from its weights."""
   keras.utils.set_random_seed(1)
   make_model, make_preprocessor = TASKS[task]
-  return tuple(make_model(make_preprocessor()).get_weights())
+  model = make_model(make_preprocessor())
+  return model, tuple(model.get_weights())
 
 
-def _train(task, optimizer, form, strategy=None, preprocessor_in_scope=True):
-  make_model, make_preprocessor = TASKS[task]
-  preprocessor = None if preprocessor_in_scope else make_preprocessor()
-  strategy = strategy or tf.distribute.get_strategy()
-  with strategy.scope():
-    model = make_model(preprocessor or make_preprocessor())
-  model.set_weights(list(_initial_weights(task)))
+def _initial_weights(task):
+  return _one_device_model(task)[1]
+
+
+def _fit(model, task, optimizer, form, strategy):
   with strategy.scope():
     model.compile(optimizer=_optimizer(optimizer),
                   loss=keras.losses.SparseCategoricalCrossentropy(
@@ -119,9 +120,29 @@ def _train(task, optimizer, form, strategy=None, preprocessor_in_scope=True):
   return model
 
 
+def _train(task, optimizer, form, strategy=None, preprocessor_in_scope=True):
+  make_model, make_preprocessor = TASKS[task]
+  preprocessor = None if preprocessor_in_scope else make_preprocessor()
+  strategy = strategy or tf.distribute.get_strategy()
+  with strategy.scope():
+    model = make_model(preprocessor or make_preprocessor())
+  model.set_weights(list(_initial_weights(task)))
+  return _fit(model, task, optimizer, form, strategy)
+
+
+_TRAINED = set()
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(task, optimizer):
-  return tfpar.logical_weights(_train(task, optimizer, "list"))
+  """One device's weights after training from a list of strings (its
+  preprocessor made in the default scope), computed once."""
+  model = _one_device_model(task)[0]
+  # The model trains once: one reference optimizer per task.
+  assert task not in _TRAINED, (task, optimizer)
+  _TRAINED.add(task)
+  return tfpar.logical_weights(
+      _fit(model, task, optimizer, "list", tf.distribute.get_strategy()))
 
 
 def _largest_difference(model, task, optimizer):
