@@ -9,7 +9,8 @@ trained once per layout (module-scoped) and checked several ways: losses
 and whole weights against one device, and the bytes of expert weights
 (and their momentum) on each device, counted from every TensorFlow
 variable as it is constructed and released (tests/variable_accounting.py),
-not from tfpar's bookkeeping.
+not from tfpar's bookkeeping. Mixtral and Qwen-MoE under expert x tensor
+are trained (once) in tests/test_expert_tensor_parallel.py.
 """
 
 import re
@@ -50,7 +51,9 @@ BACKBONES = {
         linear_key_head_dim=8, linear_value_head_dim=8,
         router_aux_loss_coefficient=0.02, **_SMALL),
 }
-# Expert x tensor (data 2 x tensor 2, expert 2): every family, the other
+# Expert x tensor (data 2 x tensor 2, expert 2): every family (Mixtral and
+# Qwen-MoE in tests/test_expert_tensor_parallel.py, which checks the same
+# and more on 2-layer models, so they are not trained twice), the other
 # layers by tensor parallelism's built-in plan, but for GPT-OSS, whose
 # attention (per-head sinks) tensor parallelism refuses: a plan rule
 # replicates it. Qwen3.5-MoE's linear-attention layer is neither attention
@@ -60,12 +63,10 @@ EXPERT_TENSOR_PLANS = {
         [(r".*self_attention/.*", tfpar.Replicate())]),
 }
 # The styles tensor parallelism gives the other layers: {family: {path
-# pattern: style}}, so that a test equal to one device is not one of
-# layers left whole. Qwen3-MoE's query/key norms act on split heads.
+# pattern: style}} (Mixtral's and Qwen-MoE's in
+# tests/test_expert_tensor_parallel.py), so that a test equal to one device
+# is not one of layers left whole. Qwen3-MoE's query/key norms act on split heads.
 EXPERT_TENSOR_STYLES = {
-    "mixtral": {r"self_attention/query/kernel": "ColumnParallel"},
-    "qwen_moe": {r"self_attention/query/kernel": "ColumnParallel",
-                 r"shared_expert_dense/feedforward_output_dense/kernel": "RowParallel"},
     "qwen3_moe": {r"self_attention/(query|key)/kernel": "ColumnParallel"},
     "gpt_oss": {r"self_attention/query/kernel": "Replicate"},
     "qwen3_5_moe": {r"linear_attn/in_proj_qkv/kernel": "Replicate",
@@ -225,7 +226,7 @@ def described_styles(family, model):
   return dict(rows)
 
 
-@pytest.mark.parametrize("family", list(BACKBONES))
+@pytest.mark.parametrize("family", list(EXPERT_TENSOR_STYLES))
 def test_expert_tensor_trains_as_one_device(runs, family):
   reference, reference_losses, _ = runs(family, "one device")
   model, losses, live = runs(family, "expert x tensor")

@@ -11,6 +11,7 @@ tfpar's bookkeeping.
 """
 
 import collections
+import re
 
 import keras
 import numpy as np
@@ -39,6 +40,24 @@ class ExpertAccounting(VariableAccounting):
   def _record(self, variable):
     if "expert_feedforward" in variable.name:
       super()._record(variable)
+
+
+def described_styles(layout, model):
+  """{variable path: style name} as `layout` lays `model` out (the rows of
+  `describe`'s table)."""
+  text = layout.describe(model, print_fn=None)
+  return dict(re.findall(r"^(\S+/\S+)\s+\([^)]*\)\s+(\S+)", text,
+                         re.MULTILINE))
+
+
+def assert_styles(layout, model, wanted):
+  """Every variable matching a pattern of `wanted` ({path pattern: style
+  name}) is laid out in that style, and some variable matches each, so
+  that a layout equal to one device is not one of layers left whole."""
+  styles = described_styles(layout, model)
+  for pattern, style in wanted.items():
+    found = {p: s for p, s in styles.items() if re.search(pattern, p)}
+    assert found and set(found.values()) == {style}, (pattern, found)
 
 
 def whole_expert_bytes(reference):
@@ -97,6 +116,9 @@ def test_each_device_holds_a_quarter_of_the_experts(mixtral_sgd):
              "0: CPU:0 | 1: CPU:1 | 2: CPU:2 | 3: CPU:3" in row
              for row in rows), rows
   assert "split over the expert group x tensor (experts): 82.2%" in text
+  # Attention by tensor parallelism's built-in plan.
+  assert_styles(layout, model,
+                {r"self_attention/query/kernel": "ColumnParallel"})
 
 
 def test_every_device_exchanges_only_its_own_experts_rows(mixtral_sgd):
@@ -130,9 +152,18 @@ def test_every_device_exchanges_only_its_own_experts_rows(mixtral_sgd):
 def test_qwen_moe_expert2_tensor2_trains_as_one_device():
   reference, reference_losses = ep.train("qwen_moe", "sgd")
   layout = strategy(expert=2)
-  model, losses = ep.train("qwen_moe", "sgd", layout)
+  accounting = ExpertAccounting()
+  with accounting.counting():
+    model, losses = ep.train("qwen_moe", "sgd", layout)
   np.testing.assert_allclose(losses, reference_losses, atol=1e-5)
   assert ep.max_weight_difference(model, reference) < 1e-5
+  # Whole experts and their momentum spread over expert 2 x tensor 2: a
+  # quarter per device.
+  whole = whole_expert_bytes(reference)
+  live = accounting.now()
+  assert live == {f"CPU:{d}": 2 * whole // 4 for d in range(4)}, live
+  assert_styles(layout, model,
+                {r"self_attention/query/kernel": "ColumnParallel"})
   # The shared expert is a tensor-parallel MLP.
   rows = [line for line in layout.describe(model, print_fn=None).splitlines()
           if "shared_expert_dense/" in line]
