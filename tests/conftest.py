@@ -44,10 +44,23 @@ def pytest_runtest_call(item):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item):
+def pytest_runtest_teardown(item, nextitem):
   start = _cpu_seconds()
   yield
+  module = getattr(item, "module", None)
+  if module is not None and getattr(nextitem, "module", None) is not module:
+    _clear_module_caches(module)
   item.stash.setdefault(_CPU, {})["teardown"] = _cpu_seconds() - start
+
+
+def _clear_module_caches(module):
+  """Empties the `functools` caches a finished test file defined: they hold
+  its trained models (and their traced steps) for the rest of the worker
+  process otherwise, and every later garbage collection walks them."""
+  for value in list(vars(module).values()):
+    if (callable(getattr(value, "cache_clear", None)) and
+        getattr(value, "__module__", None) == module.__name__):
+      value.cache_clear()
 
 
 @pytest.hookimpl(hookwrapper=True)
