@@ -47,6 +47,23 @@ def fit(model, x, y, epochs=EPOCHS, **kwargs):
   return history.history
 
 
+# What a worker script's callback raises to stand for a crash of the job.
+INTERRUPTED = "interrupted"
+
+
+def fit_unless_interrupted(model, x, y, **kwargs):
+  """`model.fit(x, y, **kwargs)`; False when a callback raised
+  `RuntimeError(INTERRUPTED)` (a crash the scenario stages), True when the
+  fit ran to its end. Any other error propagates."""
+  try:
+    model.fit(x, y, **kwargs)
+  except RuntimeError as error:
+    if INTERRUPTED not in str(error):
+      raise
+    return False
+  return True
+
+
 def fit_one_iterator(model, x, y, epochs=EPOCHS, **kwargs):
   """`fit` batch for batch and epoch for epoch, from one input iterator.
 

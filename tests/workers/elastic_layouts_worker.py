@@ -130,7 +130,7 @@ class Interrupt(keras.callbacks.Callback):
     if self.at != (self.epoch, batch):
       return
     if not self.preempt:
-      raise RuntimeError("interrupted")
+      raise RuntimeError(dp_common.INTERRUPTED)
     if self.task == 1:
       os.kill(os.getpid(), signal.SIGTERM)
 
@@ -169,19 +169,13 @@ def run(out_dir, layout, part):
   callbacks.append(Interrupt(PREEMPT if preempt else INTERRUPT[part], task,
                              preempt=preempt))
   x, y = data(layout)
-  try:
-    model.fit(x, y, batch_size=plan.batch_size, epochs=EPOCHS,
-              shuffle=False, verbose=0, callbacks=callbacks)
-  except RuntimeError as error:
-    if "interrupted" not in str(error):
-      raise
-    interrupted = True
-  else:
-    interrupted = False
+  finished = dp_common.fit_unless_interrupted(
+      model, x, y, batch_size=plan.batch_size, epochs=EPOCHS, shuffle=False,
+      verbose=0, callbacks=callbacks)
   if task == 0 and layout.startswith("zero"):
     with open(os.path.join(out_dir, f"{layout}.bytes{part}.json"), "w") as f:
       json.dump(slot_bytes(model), f)
-  if interrupted:
+  if not finished:
     return
   weights = model.get_weights()  # Every worker: a gather where split.
   if task == 0:

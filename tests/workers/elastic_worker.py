@@ -58,7 +58,7 @@ class Events(keras.callbacks.Callback):
 
   def on_train_batch_begin(self, batch, logs=None):
     if self.interrupt == (self.epoch, batch):
-      raise RuntimeError("interrupted")
+      raise RuntimeError(dp_common.INTERRUPTED)
     if self.kill == (RESTART, self.epoch, batch) and self.task == 1:
       with open(os.path.join(self.out_dir, f"killed.{RESTART}"), "w") as f:
         f.write(repr(time.time()))
@@ -94,12 +94,9 @@ def run(out_dir, layout, options):
              else None,
              _position(options["kill"]) if "kill" in options else None)]
   x, y = data()
-  try:
-    model.fit(x, y, batch_size=plan.batch_size, epochs=EPOCHS,
-              shuffle=False, verbose=0, callbacks=callbacks)
-  except RuntimeError as error:
-    if "interrupted" not in str(error):
-      raise
+  if not dp_common.fit_unless_interrupted(
+      model, x, y, batch_size=plan.batch_size, epochs=EPOCHS, shuffle=False,
+      verbose=0, callbacks=callbacks):
     return
   weights = model.get_weights()  # Every worker: a gather under ZeRO-3.
   if task == 0:

@@ -73,6 +73,13 @@ def _forget(registry_ref, names):
       registry.pop(name, None)
 
 
+def _registry_and_entries():
+  """TensorFlow's gradient registry and the dict of its entries."""
+  purpose = "releasing custom gradients with their graph"
+  registry = checks.require(ops, "_gradient_registry", purpose)
+  return registry, checks.require(registry, "_registry", purpose)
+
+
 def hold_custom_gradients_on_their_graphs():
   """Installs the graph-scoped registry (once per process; idempotent).
 
@@ -83,10 +90,7 @@ def hold_custom_gradients_on_their_graphs():
   True
   """
   with _LOCK:
-    registry = checks.require(ops, "_gradient_registry",
-                              "releasing custom gradients with their graph")
-    entries = checks.require(registry, "_registry",
-                             "releasing custom gradients with their graph")
+    registry, entries = _registry_and_entries()
     if isinstance(entries, _GraphScopedRegistry):
       return len(entries)
     if type(entries) is not dict:  # pylint: disable=unidiomatic-typecheck
@@ -104,9 +108,7 @@ def installed():
   >>> hold_custom_gradients_on_their_graphs() >= 0 and installed()
   True
   """
-  registry = checks.require(ops, "_gradient_registry",
-                            "releasing custom gradients with their graph")
-  return isinstance(getattr(registry, "_registry", None), _GraphScopedRegistry)
+  return isinstance(_registry_and_entries()[1], _GraphScopedRegistry)
 
 
 def registered_custom_gradients():
@@ -115,7 +117,5 @@ def registered_custom_gradients():
   >>> registered_custom_gradients() >= 0
   True
   """
-  registry = checks.require(ops, "_gradient_registry",
-                            "counting registered custom gradients")
-  return sum(1 for name in checks.require(registry, "_registry", "counting")
+  return sum(1 for name in _registry_and_entries()[1]
              if isinstance(name, str) and name.startswith(_PREFIX))
