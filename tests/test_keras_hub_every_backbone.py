@@ -64,21 +64,15 @@ REFUSED = {
 # Split, but with these backbone kernels whole on every device, which
 # Megatron's share counts halved.
 WHOLE = {
-    # A pooler: a Dense on the backbone's output that nothing in the
-    # backbone consumes, created before the task model's head.
-    "BertBackbone": r"pooled_dense/kernel",
-    # The pooler and the embedding projection (embedding_dim -> hidden).
-    "AlbertBackbone": r"(pooled_dense|embedding_projection)/kernel",
-    "FNetBackbone": r"(pooled_dense|embedding_projection)/kernel",
+    # The embedding projection (embedding_dim -> hidden): a lone Dense,
+    # which the built-in plan replicates.
+    "AlbertBackbone": r"embedding_projection/kernel",
+    "FNetBackbone": r"embedding_projection/kernel",
     # AltUp's and the per-layer inputs' projections: lone Dense layers,
     # which the built-in plan replicates.
     "Gemma3nBackbone": r".*(altup|per_layer)[a-z_0-9/]*/kernel",
-    # The whole text decoder and token table: the vision encoder, a nested
-    # model created and split first, makes tfpar take the backbone as
-    # split before and keep every other layer whole, with no error
-    # (TensorParallelExtended.shard_model); and the image projection.
-    "PaliGemmaBackbone": r"(token_embedding/embeddings|decoder_block_\d+/"
-                         r".*kernel|image_classifier/kernel)",
+    # The image projection (vision width -> text width): a lone Dense.
+    "PaliGemmaBackbone": r"image_classifier/kernel",
 }
 # Not built here: their inputs are not text the generator makes.
 NOT_BUILT = {

@@ -14,6 +14,8 @@ import weakref
 
 import tensorflow as tf
 
+from tfpar._compat import keras_layers
+
 
 class PreparedModels:
   """Mixin of `MeshExtended`: the registry of models created in scope and
@@ -35,13 +37,17 @@ class PreparedModels:
     return [m for m in models if m is not None]
 
   def prepare_pending_models(self):
-    """Prepares every registered model (see `prepare_model`)."""
+    """Prepares every registered model (see `prepare_model`), a model that
+    holds others (a keras-hub task model and its backbone, a backbone and
+    its vision encoder) before them: its plan then sees every layer, the
+    head that reads a pooler included, and its inner models are prepared
+    as part of it."""
     if getattr(self._preparing, "active", False):
       return
     self._preparing.active = True
     try:
       with tf.init_scope():
-        for model in self.registered_models():
+        for model in outermost_first(self.registered_models()):
           self.prepare_model(model)
     finally:
       self._preparing.active = False
@@ -69,3 +75,31 @@ class PreparedModels:
             f"{self.preparation}. Build it inside strategy.scope() before "
             f"compile/fit: give it a keras.Input, or call "
             f"model.build(input_shape) or model(x).")
+
+
+def outermost_first(models):
+  """`models` ordered so that each comes before the models nested in it
+  (as layers, at any depth); otherwise in their given order.
+
+  Args:
+    models: Keras models.
+
+  Returns:
+    A list of the same models.
+
+  Example:
+
+  >>> import keras
+  >>> inner = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+  >>> outer = keras.Sequential([keras.Input((2,)), inner])
+  >>> [m is outer for m in outermost_first([inner, outer])]
+  [True, False]
+  """
+  models = list(models)
+  ids = {id(model) for model in models}
+  depth = {id(model): 0 for model in models}
+  for model in models:
+    for layer in keras_layers.flatten_layers(model, include_self=False):
+      if id(layer) in ids:
+        depth[id(layer)] += 1
+  return sorted(models, key=lambda model: depth[id(model)])
