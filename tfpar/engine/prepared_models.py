@@ -37,20 +37,29 @@ class PreparedModels:
     return [m for m in models if m is not None]
 
   def prepare_pending_models(self):
-    """Prepares every registered model (see `prepare_model`), a model that
-    holds others (a keras-hub task model and its backbone, a backbone and
-    its vision encoder) before them: its plan then sees every layer, the
-    head that reads a pooler included, and its inner models are prepared
-    as part of it."""
+    """Prepares every registered model (see `prepare_model`). Unless
+    `prepares_outermost_first()` says no, a model that holds others (a
+    keras-hub task model and its backbone, a backbone and its vision
+    encoder) goes before them: its plan then sees every layer, the head
+    that reads a pooler included, and its inner models are prepared as
+    part of it."""
     if getattr(self._preparing, "active", False):
       return
     self._preparing.active = True
     try:
       with tf.init_scope():
-        for model in outermost_first(self.registered_models()):
+        models = self.registered_models()
+        if self.prepares_outermost_first():
+          models = outermost_first(models)
+        for model in models:
           self.prepare_model(model)
     finally:
       self._preparing.active = False
+
+  def prepares_outermost_first(self):
+    """Whether a model holding registered models is prepared before them
+    (else in creation order: nested models first)."""
+    return True
 
   def prepare_model(self, model):
     """Subclasses adapt a registered model here (it may be unbuilt or

@@ -143,6 +143,11 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
   def is_prepared(self, model):
     return getattr(model, "_tfpar_layouts", None) is not None
 
+  def prepares_outermost_first(self):
+    # Sequence parallelism runs on the graph of the model it splits, a
+    # keras-hub backbone's, not on a task model holding it as one layer.
+    return not self._sequence_parallel
+
   def prepare_model(self, model):
     if not self.is_prepared(model) and model.built:
       self.shard_model(model)
