@@ -86,9 +86,36 @@ class PreparedModels:
             f"model.build(input_shape) or model(x).")
 
 
+def holds(outer, model):
+  """Whether `model` runs inside `outer`: a layer nested in it at any depth
+  (a keras-hub task model's backbone) or the Functional graph Keras made
+  for it (a Sequential's, which Keras creates in scope too).
+
+  Args:
+    outer: a Keras model.
+    model: a Keras model.
+
+  Returns:
+    A bool; False when they are the same model.
+
+  Example:
+
+  >>> import keras
+  >>> inner = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+  >>> outer = keras.Sequential([keras.Input((2,)), inner])
+  >>> holds(outer, inner), holds(inner, outer), holds(outer, outer)
+  (True, False, False)
+  """
+  if outer is model:
+    return False
+  return keras_layers.functional_graph(outer) is model or any(
+      layer is model
+      for layer in keras_layers.flatten_layers(outer, include_self=False))
+
+
 def outermost_first(models):
-  """`models` ordered so that each comes before the models nested in it
-  (as layers, at any depth); otherwise in their given order.
+  """`models` ordered so that each comes before the models it `holds`;
+  otherwise in their given order.
 
   Args:
     models: Keras models.
@@ -105,10 +132,6 @@ def outermost_first(models):
   [True, False]
   """
   models = list(models)
-  ids = {id(model) for model in models}
-  depth = {id(model): 0 for model in models}
-  for model in models:
-    for layer in keras_layers.flatten_layers(model, include_self=False):
-      if id(layer) in ids:
-        depth[id(layer)] += 1
-  return sorted(models, key=lambda model: depth[id(model)])
+  holders = {id(model): sum(holds(outer, model) for outer in models)
+             for model in models}
+  return sorted(models, key=lambda model: holders[id(model)])

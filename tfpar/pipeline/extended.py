@@ -12,9 +12,9 @@ among the s-th devices of the replicas.
 """
 
 from tfpar import batches
-from tfpar._compat import keras_layers
 from tfpar.common import clipping
 from tfpar.engine import extended as engine_extended
+from tfpar.engine import prepared_models
 from tfpar.engine import spread
 from tfpar.pipeline import executor
 from tfpar.pipeline import placement
@@ -86,10 +86,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     keras-hub task model's backbone) or as its graph (a Sequential's
     Functional one, which Keras creates in scope too), or None."""
     for outer in self.registered_models():
-      if outer is not model and outer.built and (
-          keras_layers.functional_graph(outer) is model or any(
-              layer is model for layer in keras_layers.flatten_layers(
-                  outer, include_self=False))):
+      if outer.built and prepared_models.holds(outer, model):
         return outer
     return None
 
