@@ -27,8 +27,10 @@ class PreparedModels:
     self._preparing = threading.local()
 
   def register_model(self, model):
-    """Called by tfpar's Keras hook for every model created in scope."""
-    self._models.append(weakref.ref(model))
+    """Called by tfpar's Keras hook for every model created in scope (a
+    Functional model's trainer is initialised twice: registered once)."""
+    if not any(ref() is model for ref in self._models):
+      self._models.append(weakref.ref(model))
 
   def registered_models(self):
     """The live models created in this strategy's scope."""
