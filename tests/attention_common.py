@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 import hub_common
+import one_device_optimizer
 import tfpar
 
 LAYOUT = {"data": 2, "tensor": 2}
@@ -23,6 +24,7 @@ def train(build, x, y, strategy=None):
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
+  one_device_optimizer.build(model)
   model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
   return model, model.get_weights()
 

@@ -1,5 +1,6 @@
 """Test set-up: 4 virtual CPU devices before TensorFlow starts."""
 
+import gc
 import os
 import resource
 import sys
@@ -19,6 +20,18 @@ tfpar.configure_virtual_cpus(NUM_TEST_DEVICES)
 # `tf.custom_gradient` (Keras's int8 Dense in the one-device references too)
 # are released with their last user, not kept for the whole run.
 custom_gradients.hold_custom_gradients_on_their_graphs()
+
+
+def pytest_collection_finish(session):
+  """Once every test file is imported (TensorFlow, Keras, keras-hub and
+  the tests' own modules: about 380,000 objects that live as long as the
+  process), moves them out of the garbage collector's reach: its full
+  passes, about a tenth of a test process's CPU, walked them every time.
+  Measured on 3 test files in one process: 5-6% less CPU (docs/testing.md).
+  """
+  del session
+  gc.collect()
+  gc.freeze()
 
 
 def _cpu_seconds():

@@ -7,6 +7,8 @@ that every layout trains exactly the same model on exactly the same batches.
 import keras
 import numpy as np
 
+import one_device_optimizer
+
 FEATURES = 8
 GLOBAL_BATCH = 32
 STEPS_PER_EPOCH = 8
@@ -42,6 +44,7 @@ def build_model(seed=1, gradient_accumulation_steps=None):
 
 def fit(model, x, y, epochs=EPOCHS, **kwargs):
   """Fits on fixed, unshuffled global batches; returns the history dict."""
+  one_device_optimizer.build(model)
   history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs,
                       shuffle=False, verbose=0, **kwargs)
   return history.history

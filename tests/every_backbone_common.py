@@ -15,6 +15,7 @@ import keras
 import keras_hub
 import numpy as np
 
+import one_device_optimizer
 import tfpar
 from tfpar._compat import keras_layers
 
@@ -259,6 +260,7 @@ def train_both(one_device, distributed):
   the largest difference between their weights."""
   x, y = data(one_device)
   for model in (one_device, distributed):
+    one_device_optimizer.build(model)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
   expected, got = one_device.get_weights(), distributed.get_weights()
   assert [w.shape for w in got] == [w.shape for w in expected]

@@ -9,6 +9,7 @@ import keras_hub
 import numpy as np
 import tensorflow as tf
 
+import one_device_optimizer
 import tfpar
 from tfpar.common import whole_weights
 
@@ -80,6 +81,7 @@ def train(family, optimizer_name, strategy=None):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   x, y = data(family)
   losses = []
+  one_device_optimizer.build(model)
   model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
             callbacks=[keras.callbacks.LambdaCallback(
                 on_train_batch_end=lambda b, logs: losses.append(

@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import hub_common
+import one_device_optimizer
 import tfpar
 
 
@@ -47,6 +48,7 @@ def compile_model(model):
 
 
 def fit(model, data):
+  one_device_optimizer.build(model)
   model.fit(*data, batch_size=8, epochs=1, shuffle=False, verbose=0)
 
 

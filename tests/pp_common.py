@@ -6,6 +6,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import one_device_optimizer
+
 WIDTH = 8
 ROWS = 96
 BATCH = 16
@@ -54,6 +56,7 @@ def train(strategy=None, model_fn=residual_chain, rows=ROWS, batch=BATCH,
     model = model_fn()
     compile_model(model)
   x, y, sw = data(rows)
+  one_device_optimizer.build(model)
   history = model.fit(x, y, sample_weight=sw, batch_size=batch,
                       epochs=epochs, shuffle=False, verbose=0,
                       callbacks=callbacks)

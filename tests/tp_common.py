@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import one_device_optimizer
 import tfpar
 
 VOCAB = 32
@@ -100,6 +101,7 @@ def step_losses(model, x, y, epochs=2, callbacks=(), static_batch=True):
     def on_train_batch_end(self, batch, logs=None):
       losses.append(logs["loss"])
 
+  one_device_optimizer.build(model)
   model.fit(dataset(x, y, static_batch=static_batch), epochs=epochs,
             verbose=0,
             callbacks=[Record(), *callbacks])
