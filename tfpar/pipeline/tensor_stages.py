@@ -112,8 +112,9 @@ class TensorStagesExtended(per_device_extended.PerDeviceExtended,
       self._adopt(optimizer, model)
 
   def tensor_layouts(self, model):
-    layer_layouts = self.plan.resolve(model, self.tensor_size)
-    self._check_layouts(model, layer_layouts)
+    with structure.shared_trace(model):  # One trace for the plan and pairs.
+      layer_layouts = self.plan.resolve(model, self.tensor_size)
+      self._check_layouts(model, layer_layouts)
     return layer_layouts
 
   def _shard_stages(self, model, plan, layer_layouts):

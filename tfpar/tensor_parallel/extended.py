@@ -40,6 +40,7 @@ from tfpar.engine.per_device import checks as per_device_checks
 from tfpar.engine.per_device import collectives
 from tfpar.engine.per_device import extended as per_device_extended
 from tfpar.tensor_parallel import plan as plan_lib
+from tfpar.tensor_parallel import structure
 from tfpar.tensor_parallel.spmd import adapters
 from tfpar.tensor_parallel.spmd import checks
 from tfpar.tensor_parallel.spmd import dropout as dropout_lib
@@ -180,11 +181,12 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
     elsewhere = self.laid_out_elsewhere(model)
     if not already:
       checks.check_model(model, self._sequence_parallel)
-      already = plan_lib.as_plan(self._plan).resolve(model, self.tensor_size,
-                                                     elsewhere)
-      checks.check_layouts(already, self._sequence_parallel, model)
+      with structure.shared_trace(model):  # One trace for both.
+        already = plan_lib.as_plan(self._plan).resolve(
+            model, self.tensor_size, elsewhere)
+        checks.check_layouts(already, self._sequence_parallel, model)
+        paired = layers_lib.paired_layers(model, already)
       strategy = self._container_strategy()
-      paired = layers_lib.paired_layers(model, already)
       terms.check(already, paired, self._sequence_parallel)
       # Replicated weights first: until then every device holds 1/tensor
       # of them, less than its final share (all of them).

@@ -10,6 +10,8 @@ records each projection's input and output tensors, and looks for the
 elementwise regions (`regions.find`) between them.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tfpar.tensor_parallel import layouts
@@ -44,11 +46,46 @@ class _Calls(dict):
     self.repeated = set()
 
 
+# {id(model): None, or (the layers recorded, their `_Calls`)} of the models
+# inside `shared_trace`.
+_shared = {}
+
+
+@contextlib.contextmanager
+def shared_trace(model):
+  """Within it, `trace_calls` of `model` traces it once for every caller
+  (the plan, the MLP pairing, the pipeline's pairs): a call asking for
+  layers the last trace did not record traces again with both sets. Only
+  while nothing changes the model's layers (before they are split)."""
+  outer = id(model) in _shared
+  _shared.setdefault(id(model), None)
+  try:
+    yield
+  finally:
+    if not outer:
+      _shared.pop(id(model), None)
+
+
 def trace_calls(model, layers):
   """{layer: (args, kwargs, output)} of `layers` from one symbolic call of
   `model` (a throw-away `tf.function` trace; nothing runs), plus the
   flattened input tensors under the key None. Empty when the model's
-  inputs are not known."""
+  inputs are not known. Inside `shared_trace(model)` the records may
+  hold more layers than asked for."""
+  layers = list(dict.fromkeys(layers))
+  if id(model) not in _shared:
+    return _trace_calls(model, layers)
+  last = _shared[id(model)]
+  if last is not None:
+    if all(layer in last[0] for layer in layers):
+      return last[1]
+    layers = list(dict.fromkeys(list(last[0]) + layers))
+  records = _trace_calls(model, layers)
+  _shared[id(model)] = (set(layers), records)
+  return records
+
+
+def _trace_calls(model, layers):
   specs = _input_specs(model)
   if specs is None:
     return {}
