@@ -46,8 +46,8 @@ class _Calls(dict):
     self.repeated = set()
 
 
-# {id(model): None, or (the layers recorded, their `_Calls`)} of the models
-# inside `shared_trace`.
+# {id(model): None, or ({layer: None} of the layers recorded, their
+# `_Calls`)} of the models inside `shared_trace`.
 _shared = {}
 
 
@@ -81,7 +81,7 @@ def trace_calls(model, layers):
       return last[1]
     layers = list(dict.fromkeys(list(last[0]) + layers))
   records = _trace_calls(model, layers)
-  _shared[id(model)] = (set(layers), records)
+  _shared[id(model)] = (dict.fromkeys(layers), records)  # Keeps the order.
   return records
 
 
