@@ -24,6 +24,7 @@ from tfpar.common import strategy_hooks
 from tfpar.engine import spread
 from tfpar.zero import buckets
 from tfpar.zero import collectives
+from tfpar.zero import recomputed_state
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients
 from tfpar.zero import spread_slices
@@ -205,11 +206,14 @@ def _spread_slices(created, state):
 def _recomputed(call, unit):
   """`call`, run again in the backward pass (gathering the weights again)
   instead of keeping its gathered weights alive until then; each run
-  gathers `unit`'s buckets (`buckets.gathered`)."""
+  gathers `unit`'s buckets (`buckets.gathered`); what the call assigns
+  (batch normalization's moving statistics) it updates once
+  (`recomputed_state`)."""
   def wrapped(*args, **kwargs):
     if not _in_replica():
       return call(*args, **kwargs)
     runs = []
+    state = recomputed_state.CallState(unit.layer.non_trainable_variables)
     # The backward pass runs `call` again after Keras left the layer's
     # autocast scope (mixed precision): enter the same scope again.
     autocast = keras_variables.get_autocast_scope()
@@ -228,7 +232,8 @@ def _recomputed(call, unit):
         merged[index] = value
       try:
         with keras_variables.AutocastScope(autocast_dtype), \
-            buckets.running(unit):
+            buckets.running(unit), \
+            (state.undone() if len(runs) > 1 else state.recorded()):
           return call(*merged, **kwargs)
       finally:
         _phase.current = previous
