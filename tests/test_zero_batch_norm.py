@@ -1,8 +1,8 @@
-"""Batch normalization under ZeRO-3, which recomputes each unit's call in
-the backward pass: the moving statistics take each batch once, so a model
-with `BatchNormalization(synchronized=True)` trains and infers as on one
-device, and one with Keras's default (per-replica statistics) as data
-parallelism without ZeRO does."""
+"""Batch normalization under data parallelism and under ZeRO-3, which
+recomputes each unit's call in the backward pass: the moving statistics
+take each batch once, so a model with `BatchNormalization(synchronized=
+True)` trains and infers as on one device, and one with Keras's default
+(per-replica statistics) as data parallelism without ZeRO does."""
 
 import functools
 
@@ -76,11 +76,13 @@ def _max_difference(weights, reference):
              for p in reference)
 
 
-@pytest.mark.parametrize("layout", [(("data", 4),),
-                                    (("data", 2), ("pipeline", 2))],
-                         ids=["data4", "data2_pipeline2"])
-def test_synchronized_statistics_under_zero3_match_one_device(layout):
-  losses, weights, evaluated = _trained(layout, True, 3)
+@pytest.mark.parametrize(
+    "layout,zero_stage",
+    [((("data", 4),), 0), ((("data", 4),), 3),
+     ((("data", 2), ("pipeline", 2)), 3)],
+    ids=["data4", "data4_zero3", "data2_pipeline2_zero3"])
+def test_synchronized_statistics_match_one_device(layout, zero_stage):
+  losses, weights, evaluated = _trained(layout, True, zero_stage)
   ref_losses, ref_weights, ref_evaluated = _trained(None, True, 0)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
   moved = float(np.abs(ref_weights["conv_bn/moving_mean"]).max())
@@ -90,7 +92,7 @@ def test_synchronized_statistics_under_zero3_match_one_device(layout):
     np.testing.assert_allclose(weights[path], ref_weights[path], atol=1e-5,
                                err_msg=path)
   difference = _max_difference(weights, ref_weights)
-  print(f"\n{dict(layout)} ZeRO-3: weights within {difference:.1e} of one "
+  print(f"\n{dict(layout)} ZeRO-{zero_stage}: weights within {difference:.1e} of one "
         f"device; evaluate {evaluated:.6f} vs {ref_evaluated:.6f}")
   assert difference < 1e-5
   # Inference reads the moving statistics.
