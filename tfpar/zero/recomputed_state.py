@@ -62,11 +62,12 @@ class CallState:
   @contextlib.contextmanager
   def recorded(self):
     """Runs the call's first (forward) run, recording what it assigns."""
+    if not self._handles:  # Most layers: nothing to look for.
+      yield
+      return
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     yield
-    if not self._handles:
-      return
     seen = set()
     for op in graph.get_operations()[first:]:
       resource = op.inputs[0] if op.type in _ASSIGNMENTS else None
