@@ -116,6 +116,11 @@ def _outermost(tensor):
   through nested functions (`tensor` itself when it captures none)."""
   while True:
     graph = getattr(tensor, "graph", None)  # None for eager tensors.
+    if hasattr(graph, "outer_graph") and not hasattr(graph, "captures"):
+      raise RuntimeError(
+          "tfpar: this TensorFlow's FuncGraph has no `captures`, which "
+          "ZeRO-3 reads to find the variables a recomputed layer assigns; "
+          "tfpar needs updating for it.")
     external = {id(internal): outer for outer, internal
                 in getattr(graph, "captures", ())}.get(id(tensor))
     if external is None:
