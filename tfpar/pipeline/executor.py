@@ -20,6 +20,7 @@ import contextlib
 
 import tensorflow as tf
 
+from tfpar.common import recomputed_state
 from tfpar.pipeline import comm
 from tfpar.pipeline import schedules
 
@@ -177,7 +178,7 @@ class StageRunner:
     m, p = len(microbatches), self.num_stages
     orders = self._orders(m)
     variables = [list(model.trainable_variables) for model in self._models]
-    saved = {}  # (s, k) -> (inputs, outputs, objective, tape)
+    saved = {}  # (s, k) -> (inputs, outputs, objective, tape, state)
     activations, input_grads, outputs_by_k = {}, {}, {}
     grad_sums = [None] * p
     losses = []
@@ -190,14 +191,17 @@ class StageRunner:
         if work.phase == schedules.FORWARD:
           source = microbatches[k] if s == 0 else activations.pop((s - 1, k))
           inputs = comm.send(source, self._devices[s])
+          state = tape = None
           if self._recompute:
-            outputs, objective = self._forward(s, k, inputs, loss_fn,
-                                               extra_loss_fn)
-            tape = None
+            state = recomputed_state.CallState(
+                self._models[s].non_trainable_variables)
+            with state.recorded():
+              outputs, objective = self._forward(s, k, inputs, loss_fn,
+                                                 extra_loss_fn)
           else:
             outputs, objective, tape = self._taped_forward(
                 s, k, inputs, loss_fn, extra_loss_fn)
-          saved[(s, k)] = (inputs, outputs, objective, tape)
+          saved[(s, k)] = (inputs, outputs, objective, tape, state)
           losses.append(objective)
           if s < p - 1:
             activations[(s, k)] = outputs
@@ -205,17 +209,14 @@ class StageRunner:
             outputs_by_k[k] = outputs
           chain[d] = _flat(outputs) + [objective]
         else:
-          inputs, outputs, objective, tape = saved.pop((s, k))
-          if tape is None:  # Recompute the stage, recording it this time.
-            # Its state updates are undone: batch normalization's moving
-            # statistics took this micro-batch in the forward already.
-            state = self._models[s].non_trainable_variables
-            before = [tf.identity(v.value) for v in state]
-            outputs, objective, tape = self._taped_forward(
-                s, k, inputs, loss_fn, extra_loss_fn)
-            for variable, value in zip(state, before):
-              # TF orders these after the forward's own assignments.
-              variable.assign(value)
+          inputs, outputs, objective, tape, state = saved.pop((s, k))
+          if tape is None:
+            # Recompute the stage, recording it this time; what it assigns
+            # (batch normalization's moving statistics, which took this
+            # micro-batch in the forward already) it leaves as it was.
+            with state.undone():
+              outputs, objective, tape = self._taped_forward(
+                  s, k, inputs, loss_fn, extra_loss_fn)
           targets, upstream = [objective], [tf.ones_like(objective)]
           if s < p - 1:
             received = comm.send(input_grads.pop((s + 1, k)),

@@ -24,7 +24,7 @@ from tfpar.common import strategy_hooks
 from tfpar.engine import spread
 from tfpar.zero import buckets
 from tfpar.zero import collectives
-from tfpar.zero import recomputed_state
+from tfpar.common import recomputed_state
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients
 from tfpar.zero import spread_slices

@@ -1,18 +1,18 @@
 """State a layer updates in its call, kept from being updated twice when
-ZeRO-3 recomputes the call in the backward pass.
+its call is recomputed in the backward pass.
 
-`tf.recompute_grad` runs a layer's call again to rebuild what its gradient
-needs, and that second run repeats the call's side effects: batch
-normalization's moving mean and variance would take each batch twice
-(measured: a `BatchNormalization(synchronized=True)` model under data 4
-and ZeRO-3 ended with moving statistics 0.045 away from one device's while
-its losses and trainable weights were equal). The first run records which
-of the layer's non-trainable variables its call assigns (from the ops it
-adds to the traced step); the second run reads them before and assigns
-them back after, as the pipeline does for a recomputed stage. Only those
-are touched: frozen weights (LoRA bases, quantized kernels) are not
-copied, and variables of others (counters a collective increments) count
-the recomputation.
+ZeRO-3 (`tf.recompute_grad`) and the pipeline's activation recomputation
+run a layer's or a stage's call again to rebuild what its gradient needs,
+and that second run repeats the call's side effects: batch normalization's
+moving mean and variance would take each batch twice (measured: a
+`BatchNormalization(synchronized=True)` model under data 4 and ZeRO-3
+ended with moving statistics 0.045 away from one device's while its losses
+and trainable weights were equal). The first run records which of the
+layer's non-trainable variables its call assigns (from the ops it adds to
+the traced step); the second run reads them before and assigns them back
+after. Only those are touched: frozen weights (LoRA bases, quantized
+kernels) are not copied, and variables of others (counters a collective
+increments) count the recomputation.
 """
 
 import contextlib
@@ -25,6 +25,10 @@ from tfpar._compat import keras_layers
 # they write is their first input.
 _ASSIGNMENTS = frozenset(("AssignVariableOp", "AssignAddVariableOp",
                           "AssignSubVariableOp"))
+# Calls of nested functions: what they do with a variable given to them is
+# not looked into, so one given a recorded layer's variable counts as
+# assigning it (restoring a variable that was only read costs a copy).
+_CALLS = frozenset(("PartitionedCall", "StatefulPartitionedCall"))
 
 
 class CallState:
@@ -55,7 +59,8 @@ class CallState:
   """
 
   def __init__(self, variables):
-    self._handles = {id(handle) for handle in _handles(variables)}
+    self._handles = {id(handle): dtype for handle, dtype
+                     in _handles(variables)}
     self._graph = None
     self._assigned = []  # (resource tensor, dtype), in first-write order.
 
@@ -70,11 +75,17 @@ class CallState:
     yield
     seen = set()
     for op in graph.get_operations()[first:]:
-      resource = op.inputs[0] if op.type in _ASSIGNMENTS else None
-      if (resource is not None and id(resource) not in seen and
-          id(_outermost(resource)) in self._handles):
-        seen.add(id(resource))
-        self._assigned.append((resource, op.get_attr("dtype")))
+      if op.type in _ASSIGNMENTS:
+        resources = op.inputs[:1]
+      elif op.type in _CALLS:
+        resources = [x for x in op.inputs if x.dtype == tf.resource]
+      else:
+        continue
+      for resource in resources:
+        dtype = self._handles.get(id(_outermost(resource)))
+        if dtype is not None and id(resource) not in seen:
+          seen.add(id(resource))
+          self._assigned.append((resource, dtype))
     self._graph = graph
 
   @contextlib.contextmanager
@@ -87,8 +98,9 @@ class CallState:
     graph = tf.compat.v1.get_default_graph()
     if graph is not self._graph:
       raise RuntimeError(
-          "tfpar: ZeRO-3 recomputes a layer's call in another graph than "
-          "the one its forward pass was traced in, so it cannot keep the "
+          "tfpar: a layer's call is recomputed (ZeRO-3 or a pipeline's "
+          "recompute=True) in another graph than the one its forward pass "
+          "was traced in, so it cannot keep the "
           "variables the call assigns (e.g. batch normalization's moving "
           "statistics) from being updated twice.")
     # Reads and assignments of one resource run in the order they were
@@ -102,13 +114,13 @@ class CallState:
 
 
 def _handles(variables):
-  """The resource handles of `variables`' components."""
+  """The resource handles of `variables`' components, with their dtypes."""
   for variable in variables:
     variable = keras_layers.storage(variable, variable)  # keras.Variable
     for component in getattr(variable, "values", (variable,)):
       handle = getattr(component, "handle", None)
       if handle is not None:
-        yield handle
+        yield handle, tf.as_dtype(component.dtype).base_dtype
 
 
 def _outermost(tensor):
@@ -119,7 +131,8 @@ def _outermost(tensor):
     if hasattr(graph, "outer_graph") and not hasattr(graph, "captures"):
       raise RuntimeError(
           "tfpar: this TensorFlow's FuncGraph has no `captures`, which "
-          "ZeRO-3 reads to find the variables a recomputed layer assigns; "
+          "tfpar reads to find the variables a recomputed call assigns "
+          "(ZeRO-3, a pipeline's recompute=True); "
           "tfpar needs updating for it.")
     external = {id(internal): outer for outer, internal
                 in getattr(graph, "captures", ())}.get(id(tensor))
