@@ -51,6 +51,17 @@ def track(owner, value, name):
     owner._track_trackable(value, name=name, overwrite=True)  # pylint: disable=protected-access
 
 
+def own_losses(layer):
+  """The mutable list of the losses `layer`'s own calls added
+  (`add_loss`, activity regularizers) since Keras last cleared it."""
+  losses = require(layer, "_losses", "the losses a layer's call adds")
+  if not isinstance(losses, list):
+    raise ImportError(
+        f"tfpar reads Keras's Layer._losses as a list; this Keras keeps a "
+        f"{type(losses).__name__}: tfpar needs updating for it.")
+  return losses
+
+
 def seed_generators(layer):
   """A layer's own seed generators (dropout's), or an empty list."""
   return getattr(layer, "_seed_generators", None) or []

@@ -170,6 +170,10 @@ class ZeRO(keras.callbacks.Callback):
     """
     if self.stage != 3 or getattr(model, "_tfpar_zero_weights", None):
       return
+    owner = sharded_weights.sliced_with(model)
+    if owner is not None:  # Prepared with a model holding it: planned.
+      object.__setattr__(model, "_tfpar_zero_weights", owner)
+      return
     _check_float32_weights(model)
     state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
                                         self.bucket_bytes)

@@ -167,6 +167,11 @@ def shard(model, state):
   with state.strategy.scope():
     for weight in model.trainable_variables:
       if isinstance(weight, GatheredWeight):
+        # Sliced with another model that shares it (a Functional model
+        # built on `backbone.output` after the backbone): this model's
+        # optimizer updates that slice too.
+        owner = weight._tfpar_zero_state  # pylint: disable=protected-access
+        state.entries.setdefault(id(weight), owner.entries[id(weight)])
         continue
       column = state.column(weight)
       devices = state.weight_devices(weight)
@@ -185,7 +190,20 @@ def shard(model, state):
       weight._tfpar_zero_column = column  # pylint: disable=protected-access
       weight._tfpar_zero_columns = state.columns  # pylint: disable=protected-access
       weight._tfpar_zero_site = collectives.new_site(state.strategy)  # pylint: disable=protected-access
+      weight._tfpar_zero_state = state  # pylint: disable=protected-access
       weight.__class__ = _gathered_class(type(weight))
+
+
+def sliced_with(model):
+  """The `ZeroState` every trainable weight of `model` was sliced into as
+  part of another model that holds it (a keras-hub task model's
+  backbone), or None."""
+  states = {id(getattr(weight, "_tfpar_zero_state", None)): weight
+            for weight in model.trainable_variables}
+  if len(states) != 1 or None in [
+      getattr(w, "_tfpar_zero_state", None) for w in states.values()]:
+    return None
+  return next(iter(states.values()))._tfpar_zero_state  # pylint: disable=protected-access
 
 
 def _spread_slices(created, state):
@@ -207,13 +225,14 @@ def _recomputed(call, unit):
   """`call`, run again in the backward pass (gathering the weights again)
   instead of keeping its gathered weights alive until then; each run
   gathers `unit`'s buckets (`buckets.gathered`); what the call assigns
-  (batch normalization's moving statistics) it updates once
-  (`recomputed_state`)."""
+  (batch normalization's moving statistics) it updates once, and the
+  losses its layers add keep their gradients (`recomputed_state`)."""
   def wrapped(*args, **kwargs):
     if not _in_replica():
       return call(*args, **kwargs)
     runs = []
     state = recomputed_state.CallState(unit.layer.non_trainable_variables)
+    losses = recomputed_state.AddedLosses(unit.layer)
     # The backward pass runs `call` again after Keras left the layer's
     # autocast scope (mixed precision): enter the same scope again.
     autocast = keras_variables.get_autocast_scope()
@@ -237,7 +256,8 @@ def _recomputed(call, unit):
           return call(*merged, **kwargs)
       finally:
         _phase.current = previous
-    return tf.recompute_grad(run)(*[args[index] for index in floating])
+    return losses.placed(tf.recompute_grad(losses.returning(run))(
+        *[args[index] for index in floating]))
   return wrapped
 
 
