@@ -25,7 +25,9 @@
   strategy has them, before any work (a pipeline needs batches that split
   into micro-batches; data replicas need equal shares, `tfpar.batches`).
   Arrays without `batch_size` get Keras's 32; a `tf.data` pipeline is
-  checked with its own batch size.
+  checked with its own batch size. `steps_per_execution > 1` is refused
+  where the strategy cannot loop over steps
+  (`extended.runs_steps_in_a_loop`).
 * Input iterators of interrupted runs: when `fit`, `evaluate` or `predict`
   raises after the strategy distributed its input
   (`extended.datasets_distributed` moved; a stock strategy has no such
@@ -163,8 +165,9 @@ def _wrap_run(name):
     _collect_interrupted_runs()
     hooks = strategy_hooks.of(self.distribute_strategy)
     hooks.check_run(self)
+    bound = signature.bind_partial(self, *args, **kwargs).arguments
+    check_steps_per_execution(self, name, bound.get("callbacks"), hooks)
     if hooks.checks_batch_size:
-      bound = signature.bind_partial(self, *args, **kwargs).arguments
       batch_size, what = bound.get("batch_size"), "batch_size"
       if batch_size is None and _is_array_like(bound.get("x")):
         batch_size = _KERAS_DEFAULT_BATCH_SIZE
@@ -184,6 +187,24 @@ def _wrap_run(name):
       raise
 
   setattr(tf_trainer.TensorFlowTrainer, name, method)
+
+
+def check_steps_per_execution(model, run, callbacks, hooks):
+  """Refuses `compile(steps_per_execution=N)` with N > 1 for a `run` the
+  model's strategy cannot loop over (`hooks.runs_steps_in_a_loop`), before
+  any work: TensorFlow would fail inside the traced loop ("You must feed a
+  value for placeholder tensor")."""
+  steps = getattr(model, "steps_per_execution", 1)
+  if steps > 1 and not hooks.runs_steps_in_a_loop(run, callbacks):
+    raise ValueError(
+        f"{type(model.distribute_strategy).__name__} cannot run {run} with "
+        f"steps_per_execution > 1 (Keras runs the steps inside a tf.cond in "
+        f"a tf.while_loop, where this strategy's steps fail inside "
+        f"TensorFlow, as stock MirroredStrategy's do). Received: "
+        f"steps_per_execution={steps} on model {model.name!r}; compile with "
+        f"steps_per_execution=1. It runs under DataParallelStrategy with "
+        f"tfpar.ZeRO (fit, evaluate, predict), DataParallelStrategy and "
+        f"PipelineParallelStrategy (evaluate, predict).")
 
 
 _collection = [False]  # Whether a run that raised left input iterators.

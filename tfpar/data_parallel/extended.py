@@ -11,6 +11,7 @@ from tfpar._compat.tf_modules import resource_variable_ops
 from tfpar.common import clipping
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
+from tfpar.zero import callback as zero_callback
 from tfpar.zero import slices
 from tfpar.zero import spread_slices
 
@@ -44,6 +45,12 @@ class DataParallelExtended(engine_extended.MeshExtended):
   @property
   def zero(self):
     return self._zero
+
+  def runs_steps_in_a_loop(self, run, callbacks):
+    # ZeRO replaces the merge_call of Keras's optimizer update; evaluate
+    # and predict make none.
+    return run != "fit" or self._zero is not None or any(
+        isinstance(c, zero_callback.ZeRO) for c in callbacks or ())
 
   def spread_count(self):
     return self._mesh.num_replicas

@@ -233,6 +233,15 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
 
   checks_batch_size = True
 
+  def runs_steps_in_a_loop(self, run, callbacks):
+    """None of tfpar's layouts runs `steps_per_execution > 1` but those
+    that override this (tested equal to one device): Keras puts each step
+    inside a `tf.cond` in a `tf.while_loop`, where a replica's
+    `merge_call` fails inside TensorFlow (as under stock
+    `MirroredStrategy`, keras-team/keras#19246)."""
+    del run, callbacks
+    return False
+
   def check_batch_size(self, batch_size, what="batch_size"):
     """Raises unless `batch_size` splits evenly over the data replicas
     (`fit`, `evaluate` and `predict` call it first; `tfpar.batches`)."""
