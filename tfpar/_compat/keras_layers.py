@@ -62,6 +62,16 @@ def own_losses(layer):
   return losses
 
 
+def storage_trainable(variable):
+  """Whether the TensorFlow variable behind a `keras.Variable` is
+  trainable: fixed when it was created, while Keras's flag follows
+  `layer.trainable`. A TensorFlow gradient tape records only reads of
+  trainable variables, so a variable replaced while its layer is frozen
+  must keep the old storage's flag, or unfreezing the layer later trains
+  it on one device and leaves it unchanged here."""
+  return bool(getattr(storage(variable, variable), "trainable", True))
+
+
 def seed_generators(layer):
   """A layer's own seed generators (dropout's), or an empty list."""
   return getattr(layer, "_seed_generators", None) or []

@@ -64,8 +64,9 @@ def split_expert_weight(variable, ranks, expert, placement=None):
   pieces = np.split(whole, expert, axis=0)
   with tf.init_scope(), placement or contextlib.nullcontext():
     local = keras.Variable(pieces[ranks[0]], dtype=variable.dtype,
-                           trainable=variable.trainable,
+                           trainable=keras_layers.storage_trainable(variable),
                            name=f"{variable.name}_experts")
+    local.trainable = variable.trainable
     keras_layers.set_path(local, f"{variable.path}_experts")
     parts = components(local)
     if len(parts) != len(ranks):

@@ -5,6 +5,7 @@ import os
 import keras
 
 from tfpar import keras_hooks
+from tfpar.engine import spread
 from tfpar.zero import checkpoint
 from tfpar.zero import collectives
 from tfpar.zero import shardable
@@ -139,7 +140,12 @@ class ZeRO(keras.callbacks.Callback):
             f"when it was built (its strategy has zero=tfpar.ZeRO(stage=3)); "
             f"fit cannot use tfpar.ZeRO(stage={self.stage}). Pass "
             f"tfpar.ZeRO(stage=3) or no ZeRO callback.")
-      if state.bucket_bytes != self.bucket_bytes:  # Planned at build.
+      if state.bucket_bytes != self.bucket_bytes or any(
+          not isinstance(weight, sharded_weights.GatheredWeight)
+          for weight in model.trainable_variables):
+        # Planned at build; weights frozen then are trainable now (a
+        # backbone unfrozen for fine-tuning): sliced now.
+        sharded_weights.shard(model, state)
         sharded_weights.regather_in_backward(model, self.bucket_bytes,
                                              strategy)
       state.offload, state.bucket_bytes = self.offload, self.bucket_bytes
@@ -179,6 +185,10 @@ class ZeRO(keras.callbacks.Callback):
                                         self.bucket_bytes)
     sharded_weights.shard(model, state)
     sharded_weights.regather_in_backward(model, self.bucket_bytes, strategy)
+    # Frozen weights (`layer.trainable = False` after building) stay whole
+    # on every replica until a later compile makes them trainable.
+    for variable in spread.pending_weights(model):
+      spread.materialize(variable, strategy)
     object.__setattr__(model, "_tfpar_zero_weights", state)
 
   def _load(self, model):

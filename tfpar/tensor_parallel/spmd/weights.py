@@ -127,8 +127,11 @@ def split_layer(layer_layout, tensor_size, strategy, groups=None):
                       variable_layout.axis)
     variables_lib.release_spread(variable)  # Its creation-time slices.
     with strategy.scope():
-      local = keras.Variable(pieces[0], dtype=variable.dtype,
-                             trainable=variable.trainable, name=variable.name)
+      local = keras.Variable(
+          pieces[0], dtype=variable.dtype,
+          trainable=keras_layers.storage_trainable(variable),
+          name=variable.name)
+    local.trainable = variable.trainable
     for index, component in enumerate(keras_layers.storage(local).values):
       component.assign(pieces[index % tensor_size], read_value=False)
     keras_layers.set_path(local, variable.path)
