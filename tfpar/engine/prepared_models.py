@@ -68,6 +68,29 @@ class PreparedModels:
     prepared already)."""
     del model
 
+  def check_run(self, model):
+    """Refuses, before any work, a model whose layers are not all built
+    when the strategy lays weights out as they are created
+    (`spreads_weights`): those layers would create their weights while the
+    step is traced, after the model was laid out (they failed inside
+    tfpar or Keras). Keras's `Model.build(input_shape)` marks a subclassed
+    model built without building its layers."""
+    if not getattr(self, "spreads_weights", False):
+      return
+    unbuilt = [layer.name for layer in keras_layers.flatten_layers(
+        model, include_self=False) if not layer.built]
+    if unbuilt:
+      raise ValueError(
+          f"Model {model.name!r} ({type(model).__name__}) has layers that "
+          f"are not built: {unbuilt[:5]}{' ...' if len(unbuilt) > 5 else ''}"
+          f". They would create their weights while the step is traced, "
+          f"after {type(self._container_strategy()).__name__} laid out the "
+          f"model's weights. Call the model on a batch inside "
+          f"strategy.scope() before compile and fit (model(x[:1])), or "
+          f"build it from a keras.Input; Keras's Model.build(input_shape) "
+          f"does not build a subclassed model's layers. A layer the model "
+          f"never calls stays unbuilt: remove it.")
+
   # What `prepare_model` does, for the error of a model that ran unprepared.
   preparation = "prepare it"
 

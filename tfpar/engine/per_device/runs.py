@@ -56,7 +56,9 @@ class PerDeviceRuns:
       return value
     return nest.map_structure(collapse, structure)
 
-  check_run = staticmethod(checks.check_run)
+  def check_run(self, model):
+    checks.check_run(model)
+    super().check_run(model)
 
   def _call_for_each_replica(self, fn, args, kwargs):
     return self._collapse(self.run_per_device(fn, args, kwargs))

@@ -8,7 +8,12 @@ errors found on 2026-11-29:
   (an activity-regularized chain ended 6e-4 from one device, the
   regularizer's gradient missing; keras-hub's MoE decoders add their
   router loss this way).
-* A model built on another model's output trains all its weights."""
+* A model built on another model's output trains all its weights.
+
+And a subclassed model (Keras's subclassing guide) called on a batch in
+the scope trains as on one device; one whose layers are not built yet
+(`Model.build(input_shape)` builds none of a subclassed model's layers)
+is a ValueError before any work under ZeRO-3 and tensor parallelism."""
 
 import keras
 import keras_hub
@@ -130,3 +135,57 @@ def test_model_built_on_a_backbones_output():
   for got, want, weight in zip(model.get_weights(), reference.get_weights(),
                                model.weights):
     np.testing.assert_allclose(got, want, atol=1e-6, err_msg=weight.path)
+
+
+class SubclassedMLP(keras.Model):
+  """Keras's subclassing guide's style: layers made in __init__, built at
+  their first call."""
+
+  def __init__(self):
+    super().__init__()
+    self.hidden = [keras.layers.Dense(16, activation="relu"),
+                   keras.layers.Dense(8)]
+    self.out = keras.layers.Dense(1)
+
+  def call(self, x):
+    for layer in self.hidden:
+      x = layer(x)
+    return self.out(x)
+
+
+def _subclassed(strategy, build):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 8)).astype("float32")
+  y = rng.normal(size=(64, 1)).astype("float32")
+  with strategy.scope() if strategy else tf.init_scope():
+    keras.utils.set_random_seed(5)
+    model = SubclassedMLP()
+    build(model, x)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+  losses = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                     verbose=0).history["loss"]
+  return model, losses
+
+
+def test_subclassed_model_called_in_scope():
+  called = lambda model, x: model(x[:1])
+  reference, reference_losses = _subclassed(None, called)
+  model, losses = _subclassed(_zero3(None), called)
+  _assert_same(model, losses, reference, reference_losses, 1e-6)
+
+
+@pytest.mark.parametrize("build", ["build_input_shape", "lazy"])
+def test_subclassed_model_with_unbuilt_layers_is_refused(build):
+  # Keras's Model.build(input_shape) marks the model built, not its
+  # layers: they would create their weights inside the traced step (an
+  # AttributeError inside tfpar, or Keras's "Unknown variable", before).
+  def builder(model, x):
+    del x
+    if build == "build_input_shape":
+      model.build((None, 8))
+  for strategy in (_zero3(None), tfpar.TensorParallelStrategy(
+      tfpar.Mesh({"data": 2, "tensor": 2}))):
+    with pytest.raises(ValueError, match=r"has layers that are not built: "
+                       r"\['dense.*Call the model on a batch"):
+      _subclassed(strategy, builder)
+    assert strategy.extended.datasets_distributed == 0
