@@ -46,6 +46,10 @@ class DataParallelExtended(engine_extended.MeshExtended):
   def zero(self):
     return self._zero
 
+  # ZeRO-3 slices weights before Keras builds the optimizer, which a model
+  # built by Keras before its first step has built for whole ones.
+  refuses_unbuilt_models = True
+
   def runs_steps_in_a_loop(self, run, callbacks):
     # ZeRO replaces the merge_call of Keras's optimizer update; evaluate
     # and predict make none.

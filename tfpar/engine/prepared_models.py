@@ -69,17 +69,18 @@ class PreparedModels:
     del model
 
   def check_run(self, model):
-    """Refuses, before any work, a model whose layers are not all built
-    when the strategy lays weights out as they are created
-    (`spreads_weights`): those layers would create their weights while the
-    step is traced, after the model was laid out (they failed inside
-    tfpar or Keras). Keras's `Model.build(input_shape)` marks a subclassed
-    model built without building its layers."""
-    if not getattr(self, "spreads_weights", False):
+    """Refuses, before any work, a model marked built whose layers are not
+    all built when the strategy lays weights out as they are created
+    (`spreads_weights`): it is laid out before Keras builds those layers,
+    which then create their weights inside the traced step (they failed
+    inside tfpar). Keras's `Model.build(input_shape)` marks a subclassed
+    model built without building its layers. An unbuilt model is left to
+    Keras's build before the first step unless `refuses_unbuilt_models`."""
+    if not self.spreads_weights:  # MeshExtended's, set by strategies.
       return
     unbuilt = [layer.name for layer in keras_layers.flatten_layers(
         model, include_self=False) if not layer.built]
-    if unbuilt:
+    if unbuilt and (model.built or self.refuses_unbuilt_models):
       raise ValueError(
           f"Model {model.name!r} ({type(model).__name__}) has layers that "
           f"are not built: {unbuilt[:5]}{' ...' if len(unbuilt) > 5 else ''}"
@@ -90,6 +91,11 @@ class PreparedModels:
           f"build it from a keras.Input; Keras's Model.build(input_shape) "
           f"does not build a subclassed model's layers. A layer the model "
           f"never calls stays unbuilt: remove it.")
+
+  # Whether a model Keras builds only before its first step (no
+  # keras.Input) is refused: it is when the strategy must lay weights out
+  # before the optimizer is built (ZeRO-3).
+  refuses_unbuilt_models = False
 
   # What `prepare_model` does, for the error of a model that ran unprepared.
   preparation = "prepare it"

@@ -20,11 +20,11 @@ from tfpar._compat import keras_layers
 from tfpar._compat import keras_trainer
 from tfpar._compat.keras_modules import keras_variables
 from tfpar.common import instrument
+from tfpar.common import recomputed_state
 from tfpar.common import strategy_hooks
 from tfpar.engine import spread
 from tfpar.zero import buckets
 from tfpar.zero import collectives
-from tfpar.common import recomputed_state
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients
 from tfpar.zero import spread_slices
