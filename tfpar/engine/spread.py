@@ -268,6 +268,14 @@ def pending_weights(model):
   return found
 
 
+def materialize_pending(model, strategy, skip=frozenset()):
+  """Lays out `model`'s weights still spread, but those in `skip` (paths),
+  whole on every device (`materialize`), one at a time."""
+  for variable in pending_weights(model):
+    if variable.path not in skip:
+      materialize(variable, strategy)
+
+
 def _check_keras_storage(variable):
   if not keras_layers.can_replace_storage(variable):
     raise RuntimeError(

@@ -122,8 +122,8 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     if layer_layouts is not None:
       self._shard_stages(model, plan, layer_layouts)
     self.lay_out_elsewhere(model, plan)
-    for variable in spread.pending_weights(model):  # In no stage.
-      spread.materialize(variable, self._container_strategy())
+    # In no stage.
+    spread.materialize_pending(model, self._container_strategy())
     object.__setattr__(model, "_tfpar_stage_plan", plan)
     pipelined = steps_lib.PipelinedSteps(
         model, lambda: self.runner(plan), self.num_microbatches)

@@ -53,14 +53,6 @@ from tfpar.tensor_parallel.spmd import terms
 from tfpar.tensor_parallel.spmd import weights as weights_lib
 
 
-def _materialize(model, strategy, skip=frozenset()):
-  """Lays out `model`'s weights still spread, but those in `skip` (paths),
-  whole on every device, one at a time."""
-  for variable in spread.pending_weights(model):
-    if variable.path not in skip:
-      spread.materialize(variable, strategy)
-
-
 class TensorParallelExtended(per_device_extended.PerDeviceExtended):
   """The logic of `tfpar.TensorParallelStrategy`.
 
@@ -192,7 +184,7 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
       # of them, less than its final share (all of them).
       split = {v.path for layout in already for v in layout.variables
                if v.axis is not None}
-      _materialize(model, strategy, skip=split | elsewhere)
+      spread.materialize_pending(model, strategy, skip=split | elsewhere)
       for layout in already:
         with spread.creating_in_place():
           weights_lib.split_layer(layout, self.tensor_size, strategy)
@@ -200,7 +192,8 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
         object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     # Weights of layers outside the layouts (a head added around a model
     # sharded before) stay whole on every device.
-    _materialize(model, self._container_strategy(), skip=elsewhere)
+    spread.materialize_pending(model, self._container_strategy(),
+                               skip=elsewhere)
     if self._sequence_parallel:
       sequence_lib.install(model, self._memo.slices)
     dropout_lib.install(model, already, self._memo)

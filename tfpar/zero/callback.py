@@ -187,8 +187,7 @@ class ZeRO(keras.callbacks.Callback):
     sharded_weights.regather_in_backward(model, self.bucket_bytes, strategy)
     # Frozen weights (`layer.trainable = False` after building) stay whole
     # on every replica until a later compile makes them trainable.
-    for variable in spread.pending_weights(model):
-      spread.materialize(variable, strategy)
+    spread.materialize_pending(model, strategy)
     object.__setattr__(model, "_tfpar_zero_weights", state)
 
   def _load(self, model):

@@ -198,12 +198,12 @@ def sliced_with(model):
   """The `ZeroState` every trainable weight of `model` was sliced into as
   part of another model that holds it (a keras-hub task model's
   backbone), or None."""
-  states = {id(getattr(weight, "_tfpar_zero_state", None)): weight
-            for weight in model.trainable_variables}
-  if len(states) != 1 or None in [
-      getattr(w, "_tfpar_zero_state", None) for w in states.values()]:
-    return None
-  return next(iter(states.values()))._tfpar_zero_state  # pylint: disable=protected-access
+  states = [getattr(weight, "_tfpar_zero_state", None)
+            for weight in model.trainable_variables]
+  if states and states[0] is not None and all(
+      state is states[0] for state in states):
+    return states[0]
+  return None
 
 
 def _spread_slices(created, state):
