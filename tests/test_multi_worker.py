@@ -9,6 +9,7 @@ connection once for all of them.
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -130,6 +131,12 @@ def test_two_workers_fit_equals_one_device(out_dir, fits, reference):
   # Identical weights on both workers, to the bit.
   assert results[0]["weights"] == results[1]["weights"]
   assert results[0]["history"] == results[1]["history"]
+  # steps_per_execution > 1 across workers: refused before any work.
+  for result in results:
+    assert result["looped_fit"]["distributed"] == 0
+    assert re.search(r"cannot run fit with steps_per_execution > 1.*between "
+                     r"workers.*Received: steps_per_execution=2",
+                     result["looped_fit"]["error"]), result["looped_fit"]
 
   # Weights saved by the chief load into a model with no strategy.
   _assert_checkpoint_holds(str(out_dir / "plain.weights.h5"), reference)

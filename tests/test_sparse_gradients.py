@@ -216,3 +216,18 @@ def test_bfloat16_gather_and_sparse_reduce_move_bits():
   assert summed.indices.numpy().tolist() == [0, 2, 0, 1, 2, 0]
   with pytest.raises(ValueError, match="reduce_op = .*MEAN.* only a SUM"):
     strategy.reduce("MEAN", sparse, axis=None)
+
+
+def test_zero_with_a_short_last_batch_trains_as_one_device():
+  """An epoch's last batch is shorter, so a sparse gradient has fewer rows
+  than in the other steps of the same trace. ZeRO's collectives take keys
+  fixed at trace time, and TensorFlow pins a key's shape: it failed inside
+  TensorFlow ("Shape mismatch in the collective instance") until the keys
+  took the rows' count into account (`tfpar/_compat/traced_keys.py`;
+  stage 3 in a loop: tests/test_steps_per_execution.py)."""
+  # pylint: disable=g-import-not-at-top
+  from test_steps_per_execution import _one_device
+  from test_steps_per_execution import _runs
+  from test_steps_per_execution import _assert_same
+  got = _runs(tfpar.DataParallelStrategy(zero=tfpar.ZeRO(stage=1)), 1)
+  _assert_same(got, _one_device())

@@ -27,7 +27,7 @@
   Arrays without `batch_size` get Keras's 32; a `tf.data` pipeline is
   checked with its own batch size. `steps_per_execution > 1` is refused
   where the strategy cannot loop over steps
-  (`extended.runs_steps_in_a_loop`).
+  (`extended.steps_loop_refusal`).
 * Input iterators of interrupted runs: when `fit`, `evaluate` or `predict`
   raises after the strategy distributed its input
   (`extended.datasets_distributed` moved; a stock strategy has no such
@@ -191,20 +191,18 @@ def _wrap_run(name):
 
 def check_steps_per_execution(model, run, callbacks, hooks):
   """Refuses `compile(steps_per_execution=N)` with N > 1 for a `run` the
-  model's strategy cannot loop over (`hooks.runs_steps_in_a_loop`), before
+  model's strategy cannot loop over (`hooks.steps_loop_refusal`), before
   any work: TensorFlow would fail inside the traced loop ("You must feed a
-  value for placeholder tensor")."""
+  value for placeholder tensor", or a collective's shape mismatch)."""
   steps = getattr(model, "steps_per_execution", 1)
-  if steps > 1 and not hooks.runs_steps_in_a_loop(run, callbacks):
+  reason = hooks.steps_loop_refusal(run, callbacks) if steps > 1 else None
+  if reason:
     raise ValueError(
         f"{type(model.distribute_strategy).__name__} cannot run {run} with "
-        f"steps_per_execution > 1 (Keras runs the steps inside a tf.cond in "
-        f"a tf.while_loop, where this strategy's steps fail inside "
-        f"TensorFlow, as stock MirroredStrategy's do). Received: "
-        f"steps_per_execution={steps} on model {model.name!r}; compile with "
-        f"steps_per_execution=1. It runs under DataParallelStrategy with "
-        f"tfpar.ZeRO (fit, evaluate, predict), DataParallelStrategy and "
-        f"PipelineParallelStrategy (evaluate, predict).")
+        f"steps_per_execution > 1: Keras runs the steps inside a tf.cond in "
+        f"a tf.while_loop, and {reason}. Received: steps_per_execution="
+        f"{steps} on model {model.name!r}; compile with "
+        f"steps_per_execution=1 (every layout runs it in one process).")
 
 
 _collection = [False]  # Whether a run that raised left input iterators.

@@ -131,10 +131,28 @@ def _run(strategy, out_dir, name, options):
   # Every worker calls it; the chief writes (under ZeRO the workers gather
   # the optimizer state, and at stage 3 the weights, together).
   tfpar.save_weights(model, os.path.join(out_dir, f"{name}.weights.h5"))
+  if name == "plain":
+    result["looped_fit"] = _looped_fit_refusal(strategy, model, x, y)
   task = strategy.mesh.cluster.task_id
   path = os.path.join(out_dir, f"{name}_worker{task}.json")
   with open(path, "w") as f:
     json.dump(result, f)
+
+
+def _looped_fit_refusal(strategy, model, x, y):
+  """The error of a `fit` compiled with `steps_per_execution=2` (refused
+  across workers) and the datasets it distributed (none: before any
+  work)."""
+  distributed = strategy.extended.datasets_distributed
+  with strategy.scope():
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+  try:
+    model.fit(x[:32], y[:32], batch_size=32, verbose=0)
+    error = None
+  except ValueError as refused:
+    error = str(refused)
+  return {"error": error,
+          "distributed": strategy.extended.datasets_distributed - distributed}
 
 
 def _other_cluster(out_dir):

@@ -13,6 +13,7 @@ Modules:
   tf_modules: TensorFlow's private modules tfpar uses.
   keras_modules: Keras's private modules tfpar uses.
   distribute: private state of tf.distribute strategies and launchers.
+  traced_keys: collectives' instance keys fixed when a step is traced.
   runtime: TensorFlow's eager context, datasets, ops and TPU resolvers.
   checkpointing: per-object overrides of TensorFlow's checkpoint hooks.
   keras_layers: Keras layers', models' and variables' private state.

@@ -10,6 +10,7 @@ what it reads (`Incompatible` otherwise).
 
 import tensorflow as tf
 
+from tfpar._compat import traced_keys
 from tfpar._compat.checks import require
 from tfpar._compat.tf_modules import collective_ops
 from tfpar._compat.tf_modules import cross_device_ops_lib
@@ -63,7 +64,8 @@ def all_to_all(launcher, chunks, fixed_key=None):
   kernel, so ZeRO's reduce-scatter is built on this too. `fixed_key`: an
   instance key of `FIXED_INSTANCE_KEYS` that every call takes, or None
   for the launcher's."""
-  instance_key = _instance_key(launcher, fixed_key)
+  with traced_keys.keyed_by(chunks):
+    instance_key = _instance_key(launcher, fixed_key)
   with tf.device(launcher_device(launcher)):
     received = collective_ops.all_to_all_v2(
         chunks, group_size(launcher),
@@ -100,29 +102,6 @@ def traced_function_graph():
   while getattr(graph, "is_control_flow_graph", False):
     graph = require(graph, "outer_graph", "the graph a branch is in")
   return graph if graph.building_function else None
-
-
-def fix_instance_keys_at_trace_time(launcher):
-  """Makes a launcher draw its instance keys once, when a step is traced.
-
-  TensorFlow feeds each collective a new instance key at every call
-  (`capture_call_time_value`), because workers may retrace a function at
-  different times, and its runtime keeps a record per key for the life of
-  the process: about 300 bytes per key and device, every step. In one
-  process every replica is traced in the same trace, so keys fixed at
-  trace time agree, and each call of the traced step reuses them (one
-  call runs after another, as graph-mode TensorFlow ran its collectives).
-  Only valid when every member of the group is in this process.
-  """
-  keys = require(launcher, "_collective_keys", "collective instance keys")
-  group_key = require(launcher, "_group_key", "collective group key")
-  device = launcher_device(launcher)
-
-  def next_instance_key():
-    key = keys.get_instance_key(group_key, device)
-    with tf.device("CPU:0"):
-      return tf.constant(key, tf.int32)
-  launcher._next_instance_key = next_instance_key  # pylint: disable=protected-access
 
 
 def strategy_collective_ops(extended):

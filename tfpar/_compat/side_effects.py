@@ -1,4 +1,5 @@
-"""Side effects of the SPMD traces ordered per device, not across devices.
+"""Side effects of the SPMD traces ordered per device, not across devices
+(and of TensorFlow's replica threads per replica: `order_per_replica`).
 
 Inside a `tf.function`, TensorFlow's automatic control dependencies chain
 every stateful op that takes no resource (an `Assert`, a `PrintV2`) after
@@ -23,7 +24,11 @@ them, as one device's function orders them. They still run: independent
 ops are among the function's control outputs.
 """
 
+# Only `tensorflow.python` modules: with `import tensorflow` here, autograph
+# converted this module's methods inside keras-hub's traced `generate`
+# (measured: a TypeError from `SideEffects.__init__`).
 from tensorflow.python.framework import auto_control_deps
+from tensorflow.python.framework import device_spec
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import ops
 
@@ -53,6 +58,10 @@ class SideEffects:
     """Credits the ops made since `start` to device `index`."""
     self._created[index].extend(self._graph.get_operations()[self._start:])
 
+  def credit(self, index, op):
+    """Credits `op` to device (or replica) `index`."""
+    self._created[index].append(op)
+
   def order_per_device(self):
     """Chains each device's resource-free side effects in its own order,
     out of the function-wide chain. Outside a function that adds
@@ -74,6 +83,35 @@ class SideEffects:
         if previous is not None:
           _ADD_CONTROL_INPUT(op, previous)
         previous = op
+
+
+def order_per_replica(graph, first_op, replica_devices):
+  """`SideEffects.order_per_device` for the ops a `tf.distribute` replica
+  function made in `graph` from its `first_op`-th op on, credited to the
+  replica whose devices place them (`replica_devices`: each replica's
+  device names). TensorFlow's mirrored replica threads take turns at
+  their merge points, so their ops interleave in the function-wide chain
+  as the devices' traces of SPMD follow each other. Measured: a pipeline
+  with expert parallelism whose batch size the trace leaves open (the
+  last, shorter batch of an epoch) hung in its first step; each replica's
+  loss `Assert`s waited, through the chain, for the other replica's, which
+  came after an all-to-all of routed tokens."""
+  replica_of = {_local_device(d): index
+                for index, devices in enumerate(replica_devices)
+                for d in devices}
+  effects = SideEffects(graph, len(replica_devices))
+  for op in graph.get_operations()[first_op:]:
+    if op.device and _chained_function_wide(op):
+      index = replica_of.get(_local_device(op.device))
+      if index is not None:
+        effects.credit(index, op)
+  effects.order_per_device()
+
+
+def _local_device(name):
+  """A device of this worker, by its type and index."""
+  spec = device_spec.DeviceSpecV2.from_string(name)
+  return spec.device_type, spec.device_index
 
 
 def _chained_function_wide(op):

@@ -57,13 +57,14 @@ class StrategyHooks:
     `evaluate` and `predict` call it first)."""
     del model
 
-  def runs_steps_in_a_loop(self, run, callbacks):
-    """Whether `run` ("fit", "evaluate" or "predict", with `fit`'s
-    `callbacks`) works with `steps_per_execution > 1`, which Keras runs as
-    steps inside a `tf.cond` in a `tf.while_loop` (`keras_hooks` refuses
-    it before any work otherwise). A stock strategy is left to Keras."""
+  def steps_loop_refusal(self, run, callbacks):
+    """Why `run` ("fit", "evaluate" or "predict", with `fit`'s `callbacks`)
+    cannot run with `steps_per_execution > 1`, which Keras runs as steps
+    inside a `tf.cond` in a `tf.while_loop` (`keras_hooks` refuses it
+    before any work with this reason), or None where it runs. A stock
+    strategy is left to Keras."""
     del run, callbacks
-    return True
+    return None
 
   def check_batch_size(self, batch_size, what="batch_size"):
     """Raises unless the strategy can split `batch_size` (`what` names it

@@ -11,7 +11,6 @@ from tfpar._compat.tf_modules import resource_variable_ops
 from tfpar.common import clipping
 from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
-from tfpar.zero import callback as zero_callback
 from tfpar.zero import slices
 from tfpar.zero import spread_slices
 
@@ -49,12 +48,6 @@ class DataParallelExtended(engine_extended.MeshExtended):
   # ZeRO-3 slices weights before Keras builds the optimizer, which a model
   # built by Keras before its first step has built for whole ones.
   refuses_unbuilt_models = True
-
-  def runs_steps_in_a_loop(self, run, callbacks):
-    # ZeRO replaces the merge_call of Keras's optimizer update; evaluate
-    # and predict make none.
-    return run != "fit" or self._zero is not None or any(
-        isinstance(c, zero_callback.ZeRO) for c in callbacks or ())
 
   def spread_count(self):
     return self._mesh.num_replicas

@@ -9,6 +9,8 @@ supported if destinations are different").
 
 import tensorflow as tf
 
+from tfpar._compat import distribute
+from tfpar._compat import traced_keys
 from tfpar._compat.tf_modules import cross_device_ops_lib
 from tfpar._compat.tf_modules import values_lib
 from tfpar.engine import bfloat16_gather
@@ -48,6 +50,9 @@ class ColumnReductions:
           group_size=self._mesh.num_replicas,
           options=self._communication_options,
           collective_keys=self._collective_keys)
+      if not self._mesh.is_multi_worker:
+        traced_keys.draw_keys_when_traced(
+            distribute.launchers(self._column_ops[column]))
     return self._column_ops[column]
 
   def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):

@@ -25,7 +25,10 @@ from tfpar import keras_hooks
 from tfpar import timeouts as timeouts_lib
 from tfpar import watchdog
 from tfpar._compat import custom_gradients
+from tfpar._compat import distribute
 from tfpar._compat import keras_optimizer_hooks
+from tfpar._compat import side_effects
+from tfpar._compat import traced_keys
 from tfpar._compat.tf_modules import collective_all_reduce_strategy
 from tfpar._compat.tf_modules import nest
 from tfpar._compat.tf_modules import values_lib
@@ -124,6 +127,9 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
             container_strategy, cluster_resolver=None,
             communication_options=options,
             devices=tuple(group[0] for group in self._local_groups))
+    if not mesh.is_multi_worker:
+      traced_keys.draw_keys_when_traced(distribute.launchers(
+          distribute.strategy_collective_ops(self)))
 
   # Called by CollectiveAllReduceExtended._initialize_multi_worker.
   def _initialize_local_devices(self, cluster_resolver, worker_device):
@@ -233,14 +239,17 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
 
   checks_batch_size = True
 
-  def runs_steps_in_a_loop(self, run, callbacks):
-    """None of tfpar's layouts runs `steps_per_execution > 1` but those
-    that override this (tested equal to one device): Keras puts each step
-    inside a `tf.cond` in a `tf.while_loop`, where a replica's
-    `merge_call` fails inside TensorFlow (as under stock
-    `MirroredStrategy`, keras-team/keras#19246)."""
+  def steps_loop_refusal(self, run, callbacks):
+    """In one process, the steps' collectives draw their instance keys
+    when a step is traced inside Keras's loop (`_compat.traced_keys`);
+    across workers they take a new key at every call, which TensorFlow
+    cannot feed there."""
     del run, callbacks
-    return False
+    if self._mesh.is_multi_worker:
+      return ("collectives between workers take a new instance key at "
+              "every call, which TensorFlow cannot feed into Keras's loop "
+              "(stock MultiWorkerMirroredStrategy fails the same way)")
+    return None
 
   def check_batch_size(self, batch_size, what="batch_size"):
     """Raises unless `batch_size` splits evenly over the data replicas
@@ -258,7 +267,12 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
 
   def _call_for_each_replica(self, fn, args, kwargs):
     self.prepare_pending_models()
+    graph = None if tf.executing_eagerly() else (
+        tf.compat.v1.get_default_graph())
+    first_op = graph.num_operations() if graph is not None else 0
     result = super()._call_for_each_replica(fn, args, kwargs)
+    if graph is not None:  # The replica threads' ops interleave.
+      side_effects.order_per_replica(graph, first_op, self._local_groups)
     watchdog.touch()  # Tracing a step is not waiting for the peers.
     self.check_models_prepared()
     return result

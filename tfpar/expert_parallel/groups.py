@@ -25,6 +25,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfpar import engine
+from tfpar._compat import traced_keys
 from tfpar._compat.tf_modules import collective_util
 from tfpar._compat.tf_modules import cross_device_utils
 
@@ -166,6 +167,10 @@ class Launchers:
             cross_device_utils.CollectiveReplicaLauncher(
                 keys.get_group_key(devices), len(devices), keys,
                 replicas[replica][column], options))
+    if len(local_replicas) == len(replicas):  # One process.
+      traced_keys.draw_keys_when_traced(
+          [*self._everyone.values(), *self._all_to_all.values(),
+           *self._expert_data.values()])
 
   def all_to_all(self, replica, column=0):
     """The launcher of `replica`'s expert group (among the replicas'

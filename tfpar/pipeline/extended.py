@@ -179,12 +179,6 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
     outer = self._outer_model(model)
     return outer is not None and self.is_prepared(outer)
 
-  def runs_steps_in_a_loop(self, run, callbacks):
-    del callbacks
-    # A pipeline's evaluate and predict make no merge_call; stages that
-    # hold tensor or expert groups (subclasses) are not tested in a loop.
-    return run != "fit" and type(self) is PipelineParallelExtended  # pylint: disable=unidiomatic-typecheck
-
   def check_batch_size(self, batch_size, what="batch_size"):
     """Raises unless `batch_size` splits into micro-batches per replica."""
     rows = self.num_microbatches * self._mesh.num_replicas

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from tfpar import engine
 from tfpar._compat import distribute
+from tfpar._compat import traced_keys
 from tfpar._compat.tf_modules import cross_device_utils
 from tfpar.common import instrument
 from tfpar.common import strategy_hooks
@@ -83,8 +84,8 @@ def launcher(context, column=None):
         group_key_start=1 + engine.next_collective_key_base())
     group, all_local = distribute.regrouped(ops, keys)
     if all_local:  # Keys fixed at trace time keep memory flat.
-      for member in distribute.launchers(group):
-        distribute.fix_instance_keys_at_trace_time(member)
+      traced_keys.draw_keys_when_traced(distribute.launchers(group),
+                                        only_in_loops=False)
     per_column[column] = group
   return distribute.launchers(per_column[column])[index]
 

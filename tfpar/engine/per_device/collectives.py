@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfpar._compat import distribute
 from tfpar._compat import spmd_run
+from tfpar._compat import traced_keys
 from tfpar._compat.tf_modules import cross_device_utils
 from tfpar.common import instrument
 
@@ -60,6 +61,8 @@ class TensorGroups:
           launcher = cross_device_utils.CollectiveReplicaLauncher(
               key, len(group), collective_keys, device, options)
           self._launchers.append(launcher)
+    # A tensor group lies inside one worker (`setup_checks`).
+    traced_keys.draw_keys_when_traced(self._launchers)
 
   def launcher(self, device_index):
     """The launcher of the `device_index`-th local device."""
