@@ -8,6 +8,8 @@ and the routed tokens change shape between the calls of one traced step
 (`tfpar/_compat/traced_keys.py`). Across workers it is a ValueError before
 any work (tests/workers/dp_worker.py, test_multi_worker.py)."""
 
+import contextlib
+import faulthandler
 import functools
 
 import keras
@@ -98,31 +100,46 @@ def test_each_layout_loops_like_one_device(layout):
 
 
 def moe_model():
-  """Tokens through a `tfpar.MoE` block (no load-balancing loss: under a
-  pipeline it is a micro-batch statistic, docs/expert_parallel.md)."""
+  """A token model through a `tfpar.MoE` block (no load-balancing loss:
+  under a pipeline it is a micro-batch statistic,
+  docs/expert_parallel.md)."""
   keras.utils.set_random_seed(2)
   tokens = keras.Input((SEQUENCE,), dtype="int32")
   x = keras.layers.Embedding(VOCAB, WIDTH)(tokens)
   x = keras.layers.Dense(WIDTH, activation="relu")(x)
   x = keras.layers.Add()([x, tfpar.MoE(4, 2 * WIDTH,
                                        aux_loss_coefficient=0.0)(x)])
-  x = keras.layers.GlobalAveragePooling1D()(x)
-  return keras.Model(tokens, keras.layers.Dense(3)(x), name="moe")
+  return keras.Model(tokens, keras.layers.Dense(VOCAB)(x), name="moe")
 
 
 def _moe_runs(strategy, steps):
-  """An epoch of 52 rows in batches of 8, the last of 4."""
+  """An epoch of next-token prediction: 52 rows in batches of 8, the last
+  of 4. (The sparse cross-entropy's shape `Assert`s are what hung.)"""
   with strategy.scope() if strategy else tf.init_scope():
     model = moe_model()
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                  loss="mse", steps_per_execution=steps)
-  x, y = _data()
-  x, y = x[:52], y[:52]
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), steps_per_execution=steps)
+  ids = np.random.default_rng(1).integers(
+      0, VOCAB, (52, SEQUENCE + 1)).astype("int32")
+  x, y = ids[:, :-1], ids[:, 1:]
   history = model.fit(x, y, batch_size=8, shuffle=False,
                       verbose=0).history["loss"]
   return (history, model.get_weights(),
           model.evaluate(x, y, batch_size=8, verbose=0),
           model.predict(x, batch_size=8, verbose=0))
+
+
+@contextlib.contextmanager
+def _bounded(seconds=300):
+  """Ends the test process, printing every thread's stack, if the body
+  runs longer than `seconds` (a hang, as expert x pipeline's was, would
+  stall the suite; this body takes about 10 s)."""
+  faulthandler.dump_traceback_later(seconds, exit=True)
+  try:
+    yield
+  finally:
+    faulthandler.cancel_dump_traceback_later()
 
 
 EXPERT_LAYOUTS = {
@@ -139,7 +156,8 @@ EXPERT_LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
 def test_expert_layouts_loop_like_one_device(layout):
   """Routed tokens cross the expert group in all-to-alls."""
-  got = _moe_runs(EXPERT_LAYOUTS[layout](), STEPS)
+  with _bounded():
+    got = _moe_runs(EXPERT_LAYOUTS[layout](), STEPS)
   _assert_same(got, _moe_one_device())
 
 
@@ -153,7 +171,8 @@ def test_expert_pipeline_steps_through_a_short_last_batch():
   step again with the batch size left open, where expert x pipeline hung
   in its first step (TensorFlow's function-wide chain of `Assert`s ran
   across the replicas' all-to-alls; tfpar/_compat/side_effects.py)."""
-  got = _moe_runs(EXPERT_LAYOUTS["data2_pipeline2_expert2"](), 1)
+  with _bounded():
+    got = _moe_runs(EXPERT_LAYOUTS["data2_pipeline2_expert2"](), 1)
   _assert_same(got, _moe_one_device())
 
 
