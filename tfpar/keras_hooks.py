@@ -166,7 +166,7 @@ def _wrap_run(name):
     hooks = strategy_hooks.of(self.distribute_strategy)
     hooks.check_run(self)
     bound = signature.bind_partial(self, *args, **kwargs).arguments
-    check_steps_per_execution(self, name, bound.get("callbacks"), hooks)
+    check_steps_per_execution(self, name, hooks)
     if hooks.checks_batch_size:
       batch_size, what = bound.get("batch_size"), "batch_size"
       if batch_size is None and _is_array_like(bound.get("x")):
@@ -189,13 +189,13 @@ def _wrap_run(name):
   setattr(tf_trainer.TensorFlowTrainer, name, method)
 
 
-def check_steps_per_execution(model, run, callbacks, hooks):
+def check_steps_per_execution(model, run, hooks):
   """Refuses `compile(steps_per_execution=N)` with N > 1 for a `run` the
   model's strategy cannot loop over (`hooks.steps_loop_refusal`), before
   any work: TensorFlow would fail inside the traced loop ("You must feed a
   value for placeholder tensor", or a collective's shape mismatch)."""
   steps = getattr(model, "steps_per_execution", 1)
-  reason = hooks.steps_loop_refusal(run, callbacks) if steps > 1 else None
+  reason = hooks.steps_loop_refusal() if steps > 1 else None
   if reason:
     raise ValueError(
         f"{type(model.distribute_strategy).__name__} cannot run {run} with "

@@ -18,7 +18,6 @@ from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.ops import collective_ops
-from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.trackable import data_structures
@@ -37,7 +36,6 @@ _NEEDED = {
     values_lib: ("DistributedValues", "PerReplica", "SyncOnReadVariable"),
     eager_context: ("context",),
     collective_ops: ("all_to_all_v2",),
-    control_flow_v2_func_graphs: ("WhileBodyFuncGraph",),
     resource_variable_ops: ("ResourceVariable",),
     trackable_base: ("Trackable",),
     data_structures: ("ListWrapper",),

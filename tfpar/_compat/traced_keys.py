@@ -1,19 +1,21 @@
 """Instance keys of collectives drawn when a step is traced.
 
 TensorFlow's collective launchers feed each collective a new instance key
-at every call of the traced function (`capture_call_time_value`). Two
-places need keys fixed when the step is traced instead:
+at every call of the traced function (`capture_call_time_value`). tfpar's
+launchers in one process take keys fixed when the step is traced instead:
 
 * Keras runs `compile(steps_per_execution=N)` as N steps inside a
   `tf.cond` in a `tf.while_loop`, calling its step function from there;
   the step function captures the call-time key, and TensorFlow cannot feed
   that capture through the loop's branch ("You must feed a value for
   placeholder tensor"; stock `MirroredStrategy` fails the same way,
-  keras-team/keras#19246). Launchers given to `draw_keys_when_traced`
-  take traced keys inside a loop and TensorFlow's elsewhere.
-* ZeRO's collectives take traced keys everywhere (`only_in_loops=False`):
-  TensorFlow's runtime keeps a record per key for the life of the process,
-  about 300 bytes per key and device, every step.
+  keras-team/keras#19246).
+* TensorFlow's runtime keeps a record per key for the life of the process,
+  about 300 bytes per key and device: with a new key at every call a
+  process grows at every step (a 2-layer MLP under data 4: about 1.5 KB per
+  step, benchmarks/bench_instance_keys.py).
+
+Eager collectives keep TensorFlow's keys.
 
 The k-th collective traced on a group's device gets the k-th key of the
 group's device, as every member traces the same step (valid only when
@@ -27,13 +29,11 @@ of one collective share a key only if their hashes collide, which
 TensorFlow reports ("Shape mismatch in the collective instance"), never a
 wrong sum.
 """
-
 import threading
 
 import tensorflow as tf
 
 from tfpar._compat.checks import require
-from tfpar._compat.tf_modules import control_flow_v2_func_graphs
 
 # Below `distribute.FIXED_INSTANCE_KEYS`, far above TensorFlow's own keys
 # (from 100, one per collective launched).
@@ -44,19 +44,6 @@ _PRIMES = (1_000_003, 7_919, 104_729, 15_485_863, 2_750_159, 611_953)
 _traced = {}  # (group key, device) -> collectives traced so far.
 _traced_lock = threading.Lock()  # Replicas are traced in threads.
 _input = threading.local()  # The input of the collective being launched.
-
-
-def in_while_loop():
-  """Whether the graph being traced is inside a `tf.while_loop` body, also
-  through the functions it calls."""
-  if tf.executing_eagerly():
-    return False
-  graph = tf.compat.v1.get_default_graph()
-  while graph is not None:
-    if isinstance(graph, control_flow_v2_func_graphs.WhileBodyFuncGraph):
-      return True
-    graph = getattr(graph, "outer_graph", None)
-  return False
 
 
 class keyed_by:  # pylint: disable=invalid-name
@@ -97,11 +84,10 @@ def _traced_key(group_key, device):
     return tf.cast(base + slot, tf.int32)
 
 
-def draw_keys_when_traced(launchers_of_group, only_in_loops=True):
+def draw_keys_when_traced(launchers_of_group):
   """Makes each `CollectiveReplicaLauncher` given take keys fixed when its
-  collectives are traced: inside a `tf.while_loop` only, or everywhere.
-  Only valid when every member of each launcher's group is in this
-  process."""
+  collectives are traced (TensorFlow's when they run eagerly). Only valid
+  when every member of each launcher's group is in this process."""
   for launcher in launchers_of_group:
     original_key = require(launcher, "_next_instance_key", "instance keys")
     group_key = require(launcher, "_group_key", "collective group key")
@@ -109,7 +95,7 @@ def draw_keys_when_traced(launchers_of_group, only_in_loops=True):
 
     def next_instance_key(original_key=original_key, group_key=group_key,
                           device=device):
-      if tf.executing_eagerly() or only_in_loops and not in_while_loop():
+      if tf.executing_eagerly():
         return original_key()
       return _traced_key(group_key, device)
 

@@ -57,13 +57,12 @@ class StrategyHooks:
     `evaluate` and `predict` call it first)."""
     del model
 
-  def steps_loop_refusal(self, run, callbacks):
-    """Why `run` ("fit", "evaluate" or "predict", with `fit`'s `callbacks`)
-    cannot run with `steps_per_execution > 1`, which Keras runs as steps
-    inside a `tf.cond` in a `tf.while_loop` (`keras_hooks` refuses it
-    before any work with this reason), or None where it runs. A stock
-    strategy is left to Keras."""
-    del run, callbacks
+  def steps_loop_refusal(self):
+    """Why the strategy cannot run `fit`, `evaluate` or `predict` with
+    `steps_per_execution > 1`, which Keras runs as steps inside a
+    `tf.cond` in a `tf.while_loop` (`keras_hooks` refuses it before any
+    work with this reason), or None where it runs. A stock strategy is
+    left to Keras."""
     return None
 
   def check_batch_size(self, batch_size, what="batch_size"):

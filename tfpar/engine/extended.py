@@ -239,12 +239,11 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
 
   checks_batch_size = True
 
-  def steps_loop_refusal(self, run, callbacks):
+  def steps_loop_refusal(self):
     """In one process, the steps' collectives draw their instance keys
-    when a step is traced inside Keras's loop (`_compat.traced_keys`);
-    across workers they take a new key at every call, which TensorFlow
-    cannot feed there."""
-    del run, callbacks
+    when a step is traced (`_compat.traced_keys`); across workers they
+    take a new key at every call, which TensorFlow cannot feed into
+    Keras's loop."""
     if self._mesh.is_multi_worker:
       return ("collectives between workers take a new instance key at "
               "every call, which TensorFlow cannot feed into Keras's loop "

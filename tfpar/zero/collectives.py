@@ -84,8 +84,7 @@ def launcher(context, column=None):
         group_key_start=1 + engine.next_collective_key_base())
     group, all_local = distribute.regrouped(ops, keys)
     if all_local:  # Keys fixed at trace time keep memory flat.
-      traced_keys.draw_keys_when_traced(distribute.launchers(group),
-                                        only_in_loops=False)
+      traced_keys.draw_keys_when_traced(distribute.launchers(group))
     per_column[column] = group
   return distribute.launchers(per_column[column])[index]
 
