@@ -10,6 +10,7 @@ from tfpar.zero import checkpoint
 from tfpar.zero import collectives
 from tfpar.zero import shardable
 from tfpar.zero import sharded_optimizer
+from tfpar.zero import regather
 from tfpar.zero import sharded_weights
 
 _STAGES = (1, 2, 3)
@@ -146,7 +147,7 @@ class ZeRO(keras.callbacks.Callback):
         # Planned at build; weights frozen then are trainable now (a
         # backbone unfrozen for fine-tuning): sliced now.
         sharded_weights.shard(model, state)
-        sharded_weights.regather_in_backward(model, self.bucket_bytes,
+        regather.regather_in_backward(model, self.bucket_bytes,
                                              strategy)
       state.offload, state.bucket_bytes = self.offload, self.bucket_bytes
     else:
@@ -155,7 +156,7 @@ class ZeRO(keras.callbacks.Callback):
     if self.stage == 3 and state is not getattr(
         model, "_tfpar_zero_weights", None):
       sharded_weights.shard(model, state)
-      sharded_weights.regather_in_backward(model, self.bucket_bytes,
+      regather.regather_in_backward(model, self.bucket_bytes,
                                            strategy)
     sharded_optimizer.shard(inner, state)
     object.__setattr__(optimizer, "_tfpar_zero", state)
@@ -184,7 +185,7 @@ class ZeRO(keras.callbacks.Callback):
     state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
                                         self.bucket_bytes)
     sharded_weights.shard(model, state)
-    sharded_weights.regather_in_backward(model, self.bucket_bytes, strategy)
+    regather.regather_in_backward(model, self.bucket_bytes, strategy)
     # Frozen weights (`layer.trainable = False` after building) stay whole
     # on every replica until a later compile makes them trainable.
     spread.materialize_pending(model, strategy)

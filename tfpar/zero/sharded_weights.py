@@ -11,6 +11,7 @@ Outside replicas (`get_weights`, saving, `assign`) the variable behaves as
 the whole weight.
 """
 
+import contextlib
 import threading
 
 import numpy as np
@@ -18,10 +19,7 @@ import tensorflow as tf
 
 from tfpar._compat import keras_layers
 from tfpar._compat import keras_trainer
-from tfpar._compat.keras_modules import keras_variables
 from tfpar.common import instrument
-from tfpar.common import recomputed_state
-from tfpar.common import strategy_hooks
 from tfpar.engine import spread
 from tfpar.zero import buckets
 from tfpar.zero import collectives
@@ -34,9 +32,26 @@ _classes = {}
 _phase = threading.local()  # Set to BACKWARD while a layer is recomputed.
 
 
-def _in_replica():
+def in_replica():
   return (tf.distribute.has_strategy() and
           not tf.distribute.in_cross_replica_context())
+
+
+def current_phase():
+  """`instrument.FORWARD`, or `BACKWARD` while `regather` runs a layer
+  again in the backward pass (what the gathers report)."""
+  return getattr(_phase, "current", instrument.FORWARD)
+
+
+@contextlib.contextmanager
+def phase(value):
+  """Context: `current_phase()` is `value` inside."""
+  previous = current_phase()
+  _phase.current = value
+  try:
+    yield
+  finally:
+    _phase.current = previous
 
 
 class GatheredWeight(keras_layers.WholeAssignment):
@@ -59,7 +74,7 @@ class GatheredWeight(keras_layers.WholeAssignment):
     return tf.reshape(flat, self.shape)
 
   def _tfpar_gathered(self):
-    if not _in_replica():
+    if not in_replica():
       return keras_layers.autocast(self, self._tfpar_whole_tensor())
     count = tf.distribute.get_replica_context().num_replicas_in_sync
     length = slices.components(self)[0].shape[0] * count
@@ -68,7 +83,7 @@ class GatheredWeight(keras_layers.WholeAssignment):
     # The gathers and reduce-scatters of this weight take fixed collective
     # keys: the process keeps no new record per key and step.
     site = getattr(self, "_tfpar_zero_site", None)
-    phase = getattr(_phase, "current", instrument.FORWARD)
+    phase = current_phase()
     fused = buckets.gathered(self, phase)  # Its bucket's, in its unit.
     if fused is not None:
       return fused
@@ -127,7 +142,7 @@ class GatheredWeight(keras_layers.WholeAssignment):
     return np.asarray(self.numpy(), dtype=dtype)
 
   def assign_whole(self, value):
-    if _in_replica():
+    if in_replica():
       raise ValueError(
           f"Weight {self.path!r} is sharded by tfpar.ZeRO(stage=3); only "
           f"the optimizer updates it inside a training step.")
@@ -219,102 +234,3 @@ def _spread_slices(created, state):
         f"slices {list(state.replica_ids)} of {state.replicas} of {size} "
         f"elements here.")
   return [part.read_value() for part in created.parts]
-
-
-def _recomputed(call, unit):
-  """`call`, run again in the backward pass (gathering the weights again)
-  instead of keeping its gathered weights alive until then; each run
-  gathers `unit`'s buckets (`buckets.gathered`); what the call assigns
-  (batch normalization's moving statistics) it updates once, and the
-  losses its layers add keep their gradients (`recomputed_state`)."""
-  def wrapped(*args, **kwargs):
-    if not _in_replica():
-      return call(*args, **kwargs)
-    runs = []
-    state = recomputed_state.CallState(unit.layer.non_trainable_variables)
-    losses = recomputed_state.AddedLosses(unit.layer)
-    # The backward pass runs `call` again after Keras left the layer's
-    # autocast scope (mixed precision): enter the same scope again.
-    autocast = keras_variables.get_autocast_scope()
-    autocast_dtype = autocast.dtype if autocast is not None else None
-
-    # `tf.recompute_grad` adds a float to each of its arguments: a mask
-    # or token ids (bool, int) given by position is held, not passed.
-    floating = [index for index, arg in enumerate(args) if _floating(arg)]
-
-    def run(*inputs):
-      runs.append(None)
-      previous = getattr(_phase, "current", instrument.FORWARD)
-      _phase.current = instrument.BACKWARD if len(runs) > 1 else previous
-      merged = list(args)
-      for index, value in zip(floating, inputs):
-        merged[index] = value
-      try:
-        with keras_variables.AutocastScope(autocast_dtype), \
-            buckets.running(unit), \
-            (state.undone() if len(runs) > 1 else state.recorded()):
-          return call(*merged, **kwargs)
-      finally:
-        _phase.current = previous
-    return losses.placed(tf.recompute_grad(losses.returning(run))(
-        *[args[index] for index in floating]))
-  return wrapped
-
-
-def _floating(value):
-  dtype = getattr(value, "dtype", None)
-  return dtype is not None and tf.as_dtype(dtype).is_floating
-
-
-def _kept(call, unit):
-  """`call`, gathering `unit`'s buckets once and keeping them for the
-  backward pass (a layer that draws random numbers)."""
-  def wrapped(*args, **kwargs):
-    if not _in_replica():
-      return call(*args, **kwargs)
-    with buckets.running(unit):
-      return call(*args, **kwargs)
-  return wrapped
-
-
-def regather_in_backward(model, bucket_bytes, strategy):
-  """Cuts `model`'s ZeRO-3 weights into units and buckets of up to
-  `bucket_bytes` (`buckets.plan`): each unit's call gathers a bucket with
-  one all-gather, and its gradient is one reduce-scatter. A unit is
-  recomputed in its backward pass, which gathers its weights again, so
-  that gathered weights live only while used.
-
-  Units with a layer that draws random numbers (dropout inside) are not
-  recomputed (new masks would be drawn): they keep their gathered weights.
-  Plain embedding lookups are left out: their backward pass needs the
-  token ids, not the table, and `tf.recompute_grad` would densify their
-  sparse gradients (which ZeRO applies as MirroredStrategy does,
-  `sparse_gradients`); they gather their table alone.
-
-  Args:
-    model: a Keras model whose weights `shard` sliced.
-    bucket_bytes: the most bytes of weights one collective carries.
-    strategy: the strategy of `model` (its sites of fixed keys).
-  """
-  # A strategy may not recompute calls (SPMD sequence parallelism).
-  recomputes = strategy_hooks.of(strategy).zero_recomputes
-  for layer in keras_layers.flatten_layers(model):  # Planned before.
-    original = getattr(layer, "_tfpar_zero_call", None)
-    if original is not None:
-      layer.call = original
-  for weight in model.trainable_variables:
-    if isinstance(weight, GatheredWeight):
-      weight._tfpar_zero_bucket = None  # pylint: disable=protected-access
-  units = buckets.plan(
-      model, bucket_bytes, lambda w: isinstance(w, GatheredWeight),
-      lambda w: getattr(w, "_tfpar_zero_column", None))
-  for unit in units:
-    for bucket in unit.buckets:
-      bucket.site = collectives.new_site(strategy)
-      for index, weight in enumerate(bucket.weights):
-        weight._tfpar_zero_bucket = (unit, bucket, index)  # pylint: disable=protected-access
-    layer = unit.layer
-    object.__setattr__(layer, "_tfpar_zero_call", layer.call)
-    wrap = _recomputed if unit.recomputed and recomputes else _kept
-    layer.call = wrap(layer.call, unit)
-  object.__setattr__(model, "_tfpar_zero_plan", (bucket_bytes, units))
