@@ -75,15 +75,8 @@ def physical_bound(args, devices, x, y, num_params, times):
 
 def main(argv=None):
   args = parse_args(argv)
-  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-  strategies = {
-      "tfpar.DataParallelStrategy":
-          tfpar.DataParallelStrategy(tfpar.Mesh({"data": NUM_DEVICES})),
-      "tf.distribute.MirroredStrategy":
-          tf.distribute.MirroredStrategy(devices=list(devices)),
-  }
+  strategies = common.data_parallel_and_mirrored(NUM_DEVICES)
+  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)  # Their names.
   x, y = common.synthetic_classification(args,
                                          args.steps * args.global_batch)
   models = {name: common.build_mlp(s, args)

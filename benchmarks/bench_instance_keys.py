@@ -29,7 +29,6 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import common  # pylint: disable=g-import-not-at-top
-import tfpar  # pylint: disable=g-import-not-at-top
 
 NUM_DEVICES = 4
 
@@ -64,15 +63,8 @@ def measured_fit(model, dataset, args):
 
 def main(argv=None):
   args = parse_args(argv)
-  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
+  strategies = common.data_parallel_and_mirrored(NUM_DEVICES)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-  strategies = {
-      "tfpar.DataParallelStrategy":
-          tfpar.DataParallelStrategy(tfpar.Mesh({"data": NUM_DEVICES})),
-      "tf.distribute.MirroredStrategy":
-          tf.distribute.MirroredStrategy(devices=list(devices)),
-  }
   x, y = common.synthetic_classification(args, args.global_batch * 16)
   dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
       args.global_batch, drop_remainder=True).repeat()

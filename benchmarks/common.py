@@ -144,6 +144,21 @@ def write_json(path, result):
       json.dump(result, f, indent=2)
 
 
+def data_parallel_and_mirrored(num_devices):
+  """{name: strategy} of `tfpar.DataParallelStrategy` and stock
+  `tf.distribute.MirroredStrategy` on the same `num_devices` virtual CPUs
+  (configured here, before TensorFlow starts): benchmarks 1 and 15."""
+  import tfpar  # pylint: disable=g-import-not-at-top
+  devices = tfpar.configure_virtual_cpus(num_devices)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return {
+      "tfpar.DataParallelStrategy":
+          tfpar.DataParallelStrategy(tfpar.Mesh({"data": num_devices})),
+      "tf.distribute.MirroredStrategy":
+          tf.distribute.MirroredStrategy(devices=list(devices)),
+  }
+
+
 def synthetic_classification(args, num_samples):
   """Features and labels of a linear 10-way (`args.classes`) problem drawn
   from `args.seed`: the data of the MLP benchmarks."""
