@@ -29,6 +29,7 @@ of one collective share a key only if their hashes collide, which
 TensorFlow reports ("Shape mismatch in the collective instance"), never a
 wrong sum.
 """
+
 import threading
 
 import tensorflow as tf

@@ -8,9 +8,9 @@ from tfpar import keras_hooks
 from tfpar.engine import spread
 from tfpar.zero import checkpoint
 from tfpar.zero import collectives
+from tfpar.zero import regather
 from tfpar.zero import shardable
 from tfpar.zero import sharded_optimizer
-from tfpar.zero import regather
 from tfpar.zero import sharded_weights
 
 _STAGES = (1, 2, 3)
@@ -147,8 +147,7 @@ class ZeRO(keras.callbacks.Callback):
         # Planned at build; weights frozen then are trainable now (a
         # backbone unfrozen for fine-tuning): sliced now.
         sharded_weights.shard(model, state)
-        regather.regather_in_backward(model, self.bucket_bytes,
-                                             strategy)
+        regather.regather_in_backward(model, self.bucket_bytes, strategy)
       state.offload, state.bucket_bytes = self.offload, self.bucket_bytes
     else:
       state = sharded_optimizer.ZeroState(self.stage, self.offload, strategy,
@@ -156,8 +155,7 @@ class ZeRO(keras.callbacks.Callback):
     if self.stage == 3 and state is not getattr(
         model, "_tfpar_zero_weights", None):
       sharded_weights.shard(model, state)
-      regather.regather_in_backward(model, self.bucket_bytes,
-                                           strategy)
+      regather.regather_in_backward(model, self.bucket_bytes, strategy)
     sharded_optimizer.shard(inner, state)
     object.__setattr__(optimizer, "_tfpar_zero", state)
     for saved in {id(o): o for o in (optimizer, inner)}.values():
