@@ -23,7 +23,7 @@ from tfpar.recipes.files import available
 from tfpar.recipes.files import directories
 from tfpar.recipes.files import find
 from tfpar.recipes.files import load
-from tfpar.recipes.schema import Recipe
+from tfpar.recipes.recipe import Recipe
 
 _BUILD = ("from_recipe", "make_callbacks", "make_plan", "RecipeSetup")
 _TRAINING = ("RecipeTraining",)
