@@ -75,8 +75,8 @@ def physical_bound(args, devices, x, y, num_params, times):
 
 def main(argv=None):
   args = parse_args(argv)
-  strategies = common.data_parallel_and_mirrored(NUM_DEVICES)
-  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)  # Their names.
+  devices = tfpar.configure_virtual_cpus(NUM_DEVICES)
+  strategies = common.data_parallel_and_mirrored(devices)
   x, y = common.synthetic_classification(args,
                                          args.steps * args.global_batch)
   models = {name: common.build_mlp(s, args)

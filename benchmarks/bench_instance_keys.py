@@ -29,6 +29,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import common  # pylint: disable=g-import-not-at-top
+import tfpar  # pylint: disable=g-import-not-at-top
 
 NUM_DEVICES = 4
 
@@ -63,7 +64,8 @@ def measured_fit(model, dataset, args):
 
 def main(argv=None):
   args = parse_args(argv)
-  strategies = common.data_parallel_and_mirrored(NUM_DEVICES)
+  strategies = common.data_parallel_and_mirrored(
+      tfpar.configure_virtual_cpus(NUM_DEVICES))
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   x, y = common.synthetic_classification(args, args.global_batch * 16)
   dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(

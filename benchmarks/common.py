@@ -144,16 +144,16 @@ def write_json(path, result):
       json.dump(result, f, indent=2)
 
 
-def data_parallel_and_mirrored(num_devices):
+def data_parallel_and_mirrored(devices):
   """{name: strategy} of `tfpar.DataParallelStrategy` and stock
-  `tf.distribute.MirroredStrategy` on the same `num_devices` virtual CPUs
-  (configured here, before TensorFlow starts): benchmarks 1 and 15."""
-  import tfpar  # pylint: disable=g-import-not-at-top
-  devices = tfpar.configure_virtual_cpus(num_devices)
+  `tf.distribute.MirroredStrategy` on the same `devices` (every local
+  device, as `tfpar.configure_virtual_cpus` returns them): benchmarks 1
+  and 15."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfpar  # pylint: disable=g-import-not-at-top
   return {
       "tfpar.DataParallelStrategy":
-          tfpar.DataParallelStrategy(tfpar.Mesh({"data": num_devices})),
+          tfpar.DataParallelStrategy(tfpar.Mesh({"data": len(devices)})),
       "tf.distribute.MirroredStrategy":
           tf.distribute.MirroredStrategy(devices=list(devices)),
   }

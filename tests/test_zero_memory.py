@@ -24,9 +24,10 @@ import tfpar
 from zero_common import data_parallel
 
 
-def _keys_per_epoch(stage, repeats):
-  """New collective instance keys TensorFlow hands out over epochs of 8
-  and of 16 steps (x `repeats`), once a first epoch traced the step."""
+def _keys_per_epoch(stage):
+  """{steps: new collective instance keys TensorFlow hands out over an
+  epoch of that many steps} for epochs of 8 and 16 steps, once a first
+  epoch traced the step."""
   handed_out = []
   original = cross_device_utils.CollectiveKeys.get_instance_key
 
@@ -43,7 +44,7 @@ def _keys_per_epoch(stage, repeats):
   with pytest.MonkeyPatch.context() as monkeypatch:
     monkeypatch.setattr(cross_device_utils.CollectiveKeys,
                         "get_instance_key", counting)
-    for times in repeats:
+    for times in (1, 2):
       before = len(handed_out)
       dp_common.fit(model, np.tile(x, (times, 1)), np.tile(y, (times, 1)),
                     epochs=1, callbacks=callbacks)
@@ -57,7 +58,7 @@ def test_steps_take_no_new_collective_keys(stage):
   collectives reuse their traced keys (TensorFlow's took 4 per step of
   plain data parallelism here, one per device); what is left are the
   eager reads of the metrics' replicas around each epoch."""
-  counts = _keys_per_epoch(stage, repeats=(1, 2))
+  counts = _keys_per_epoch(stage)
   assert counts[16] == counts[8], counts
 
 
