@@ -16,7 +16,6 @@ per-replica values across workers.
 import contextlib
 import itertools
 import os
-import threading
 
 import tensorflow as tf
 
@@ -38,7 +37,7 @@ from tfpar.engine import column_reductions
 from tfpar.engine import merge_free
 from tfpar.engine import prepared_models
 from tfpar.engine import setup_checks
-from tfpar.engine import spread
+from tfpar.engine import variable_placement
 
 # Each strategy instance needs its own collective keys (two instances that
 # share a key base fail with "Shape mismatch in the collective instance").
@@ -53,21 +52,8 @@ def next_collective_key_base():
   return next(_key_bases) * _KEY_BASE_STRIDE
 
 
-class DeviceSet:
-  """The `colocate_with` of a variable creation that names its devices.
-
-  `MeshExtended._create_variable` passes one for `variables_on_column`;
-  the variable gets one component per device (one per replica).
-
-  Args:
-    devices: device names, one per local replica.
-  """
-
-  def __init__(self, devices):
-    self._devices = tuple(devices)
-
-
-class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
+class MeshExtended(variable_placement.VariablePlacement,
+                   merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
                    prepared_models.PreparedModels,
                    column_reductions.ColumnReductions,
                    strategy_hooks.StrategyHooks,
@@ -90,7 +76,7 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
     self._mesh = mesh
     self._init_prepared_models()
     self._init_column_reductions()
-    self._column = threading.local()
+    self._init_variable_placement()
     keras_hooks.install_model_registration()
     keras_hooks.install_run_hooks()
     keras_hooks.install_symbolic_build_batch()
@@ -156,82 +142,6 @@ class MeshExtended(merge_free.MergeFreeUpdates, bfloat16_gather.Bfloat16Gather,
       if replica is not None:
         return self._mesh.replicas[int(replica)]
     return self._local_groups[0]
-
-  @contextlib.contextmanager
-  def variables_on_column(self, index):
-    """Variables created inside go on the `index`-th device of every
-    replica (a tensor shard, a pipeline stage) instead of its head."""
-    previous = getattr(self._column, "index", None)
-    self._column.index = index
-    try:
-      yield
-    finally:
-      self._column.index = previous
-
-  @contextlib.contextmanager
-  def variables_on_devices(self, devices):
-    """Variables created inside get one component on each of `devices`
-    (a pipeline stage's devices under SPMD: every device of its tensor
-    group in every replica, replica-major)."""
-    previous = getattr(self._column, "devices", None)
-    self._column.devices = tuple(devices)
-    try:
-      yield
-    finally:
-      self._column.devices = previous
-
-  def _create_variable(self, next_creator, **kwargs):
-    index = getattr(self._column, "index", None)
-    devices = getattr(self._column, "devices", None)
-    if devices is not None and kwargs.get("colocate_with") is None:
-      kwargs["colocate_with"] = DeviceSet(devices)
-    elif index is not None and kwargs.get("colocate_with") is None:
-      kwargs["colocate_with"] = DeviceSet(
-          group[index] for group in self._local_groups)
-    elif self.spreads_weights and spread.should_spread(kwargs):
-      return self._create_spread_variable(kwargs)
-    # Across workers the chief broadcasts every initial value.
-    with watchdog.watching(self._container_strategy(),
-                           f"the creation of variable {kwargs.get('name')!r}"):
-      return super()._create_variable(next_creator, **kwargs)
-
-  # Strategies that split weights create them spread (`engine/spread.py`)
-  # and lay them out when the model is prepared.
-  spreads_weights = False
-
-  def spread_count(self):
-    """How many slices a spread weight has: one per device of a replica."""
-    return self._mesh.replica_size
-
-  def spread_parts(self, pieces, name):
-    """The slice variables of a spread weight: piece k on the k-th device
-    of every replica (mirrored over the data axis)."""
-    parts = []
-    for index, piece in enumerate(pieces):
-      with self.variables_on_column(index):
-        parts.append(tf.Variable(piece, trainable=False,
-                                 name=f"{name}_spread{index}"))
-    return parts
-
-  def _validate_colocate_with_variable(self, colocate_with_variable):
-    # An optimizer built before the model is prepared (load_model) puts its
-    # slots beside spread weights: on the replica heads, until prepared.
-    if isinstance(colocate_with_variable, spread.SpreadVariable):
-      return
-    super()._validate_colocate_with_variable(colocate_with_variable)
-
-  def _create_spread_variable(self, kwargs):
-    value = spread.initial_tensor(kwargs, self._local_groups[0][0])
-    name = kwargs.get("name") or "Variable"
-    pieces = spread.flat_pieces(value, self.spread_count())
-    parts = self.spread_parts(pieces, name)
-    creation = {k: kwargs[k] for k in (
-        "dtype", "trainable", "name", "aggregation", "synchronization")
-                if kwargs.get(k) is not None}
-    creation["dtype"] = value.dtype
-    return spread.SpreadVariable(
-        value.shape, value.dtype, name, parts, creation,
-        self._container_strategy(), (g[0] for g in self._local_groups))
 
   @property
   def worker_devices_by_replica(self):

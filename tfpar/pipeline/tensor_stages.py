@@ -25,8 +25,8 @@ counter) live on stage 0's devices.
 import numpy as np
 
 from tfpar.common import whole_weights
-from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
+from tfpar.engine import variable_placement
 from tfpar.engine.per_device import checks as per_device_checks
 from tfpar.engine.per_device import collectives
 from tfpar.engine.per_device import extended as per_device_extended
@@ -87,15 +87,13 @@ class TensorStagesExtended(per_device_extended.PerDeviceExtended,
       memo.clear()
 
   def _create_variable(self, next_creator, **kwargs):
-    placed = (kwargs.get("colocate_with") is not None or
-              getattr(self._column, "index", None) is not None or
-              getattr(self._column, "devices", None) is not None)
+    placed = self.placed_by_caller(kwargs)
     # Model weights outside a trace are created spread over the replicas'
     # devices (and moved to their stages when the model is cut).
     spreading = (spread.should_spread(kwargs) and
                  collectives.current_slot() is None)
     if not placed and not spreading:
-      kwargs["colocate_with"] = engine_extended.DeviceSet(
+      kwargs["colocate_with"] = variable_placement.DeviceSet(
           self._groups.devices)
     return super()._create_variable(next_creator, **kwargs)
 

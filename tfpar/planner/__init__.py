@@ -21,7 +21,7 @@ import importlib
 
 _EXPORTS = {
     "Candidate": "tfpar.planner.result",
-    "Layout": "tfpar.planner.formulas",
+    "Layout": "tfpar.planner.layout",
     "MemoryEstimate": "tfpar.planner.formulas",
     "PlanResult": "tfpar.planner.result",
     "estimate_layout": "tfpar.planner.api",

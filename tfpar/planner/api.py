@@ -7,6 +7,7 @@ from tfpar.planner import build_peak
 from tfpar.planner import candidates as candidates_lib
 from tfpar.planner import experts
 from tfpar.planner import formulas
+from tfpar.planner import layout as layout_lib
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import recommend as recommend_lib
 from tfpar.planner import result as result_lib
@@ -75,7 +76,7 @@ def plan(model, devices, memory_per_device, batch_size=None,
   devices = units.check_positive_int(devices, "devices")
   limit = units.parse_bytes(memory_per_device, "memory_per_device")
   units.check_choice(precision, "precision", formulas.PRECISIONS)
-  units.check_choice(schedule, "schedule", formulas.SCHEDULES)
+  units.check_choice(schedule, "schedule", layout_lib.SCHEDULES)
   batch = units.check_positive_int(devices if batch_size is None
                                    else batch_size, "batch_size")
   node_size = units.check_positive_int(
@@ -158,7 +159,7 @@ def estimate_layout(model, layout, precision="fp32", optimizer=None,
   '31.4 GB'
   """
   units.check_choice(precision, "precision", formulas.PRECISIONS)
-  if not isinstance(layout, formulas.Layout):
+  if not isinstance(layout, layout_lib.Layout):
     raise ValueError(f"layout must be a tfpar.planner.Layout. Received: "
                      f"layout={layout!r}.")
   batch = units.check_positive_int(

@@ -51,7 +51,7 @@ def build_peak_bytes(layout, loads, profile, precision, node_size):
 
   Example:
 
-  >>> from tfpar.planner.formulas import Layout
+  >>> from tfpar.planner import Layout
   >>> from tfpar.planner.profile import CountProfile
   >>> profile = CountProfile(1000)
   >>> loads = profile.stages(tensor=1, pipeline=1)

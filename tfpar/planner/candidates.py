@@ -25,7 +25,7 @@ fit one device goes to "Expert + Data Parallelism" when it is sparse
 
 import dataclasses
 
-from tfpar.planner import formulas
+from tfpar.planner import layout as layout_lib
 
 
 def divisors(number):
@@ -81,7 +81,7 @@ def layouts(devices, node_size, max_pipeline=None, num_microbatches=None,
         variants = [{}] + ([dict(zero=1)] if data > 1 else [])
         if pipeline > 1:
           variants += [dict(v, recompute=True) for v in variants]
-      found.extend(formulas.Layout(**base, **v) for v in variants)
+      found.extend(layout_lib.Layout(**base, **v) for v in variants)
   return sorted(found, key=rank)
 
 
@@ -91,7 +91,7 @@ def rank(layout):
   Example:
 
   >>> from tfpar.planner.candidates import rank
-  >>> from tfpar.planner.formulas import Layout
+  >>> from tfpar.planner import Layout
   >>> rank(Layout(data=4, zero=3)) < rank(Layout(data=2, tensor=2))
   True
   >>> rank(Layout(data=4)) < rank(Layout(data=4, expert=2)) < rank(
@@ -116,7 +116,7 @@ def supported(layout):
   Example:
 
   >>> from tfpar.planner.candidates import supported
-  >>> from tfpar.planner.formulas import Layout
+  >>> from tfpar.planner import Layout
   >>> supported(Layout(data=4, zero=3))
   (True, '')
   """
@@ -136,7 +136,7 @@ def how_to_run(layout):
   Example:
 
   >>> from tfpar.planner.candidates import how_to_run
-  >>> from tfpar.planner.formulas import Layout
+  >>> from tfpar.planner import Layout
   >>> print(how_to_run(Layout(data=8, zero=2)))
   strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 8})); model.fit(..., callbacks=[tfpar.ZeRO(stage=2)])
   >>> print(how_to_run(Layout(data=8, expert=4)))
@@ -216,7 +216,7 @@ def rules_for(layout):
   Example:
 
   >>> from tfpar.planner.candidates import rules_for
-  >>> from tfpar.planner.formulas import Layout
+  >>> from tfpar.planner import Layout
   >>> rules_for(Layout(data=4))[0].source
   "seeds' decision guide"
   >>> print(rules_for(Layout(data=4, expert=2))[0])

@@ -4,6 +4,7 @@ import dataclasses
 from typing import Optional, Tuple
 
 from tfpar.planner import formulas
+from tfpar.planner import layout as layout_lib
 from tfpar.planner import units
 
 
@@ -22,7 +23,7 @@ class Candidate:
     build_peak: bytes of weights on the fullest device while the model is
       built, before its first step (`build_peak.py`).
   """
-  layout: formulas.Layout
+  layout: layout_lib.Layout
   memory: formulas.MemoryEstimate
   fits: bool
   supported: bool = True

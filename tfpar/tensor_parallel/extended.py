@@ -34,8 +34,8 @@ builds.
 
 from tfpar._compat import keras_layers
 from tfpar.common import whole_weights
-from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
+from tfpar.engine import variable_placement
 from tfpar.engine.per_device import checks as per_device_checks
 from tfpar.engine.per_device import collectives
 from tfpar.engine.per_device import extended as per_device_extended
@@ -118,14 +118,12 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
   # Variables: on every data x tensor device.
 
   def _create_variable(self, next_creator, **kwargs):
-    on_column = getattr(self._column, "index", None) is not None
     # Not in a trace (a model built while a step runs, refused after it):
     # spread slices have a component per replica there, not per device.
     spreading = (spread.should_spread(kwargs) and
                  collectives.current_slot() is None)
-    if (kwargs.get("colocate_with") is None and not on_column and
-        not spreading):
-      kwargs["colocate_with"] = engine_extended.DeviceSet(
+    if not self.placed_by_caller(kwargs) and not spreading:
+      kwargs["colocate_with"] = variable_placement.DeviceSet(
           self._groups.devices)
     return super()._create_variable(next_creator, **kwargs)
 
