@@ -10,6 +10,7 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(__file__))
 
+import suite_scope  # pylint: disable=g-import-not-at-top
 import tfpar  # pylint: disable=g-import-not-at-top
 from tfpar._compat import custom_gradients  # pylint: disable=g-import-not-at-top
 
@@ -20,6 +21,38 @@ tfpar.configure_virtual_cpus(NUM_TEST_DEVICES)
 # `tf.custom_gradient` (Keras's int8 Dense in the one-device references too)
 # are released with their last user, not kept for the whole run.
 custom_gradients.hold_custom_gradients_on_their_graphs()
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(config, items):
+  """Under `TFPAR_TEST_SHARE=i/K`, leaves out the costly test files of the
+  other shares (`suite_scope.py`)."""
+  value = os.environ.get(suite_scope.SHARE_ENV)
+  if not value:
+    return
+  try:
+    share, shares = suite_scope.parse_share(value)
+  except ValueError as error:
+    raise pytest.UsageError(str(error)) from error
+  outside = suite_scope.files_outside_share(
+      share, shares, suite_scope.read_file_seconds())
+  kept, left_out = [], []
+  for item in items:
+    path = os.path.relpath(str(item.path), _ROOT)
+    (left_out if path in outside else kept).append(item)
+  if left_out:
+    config.hook.pytest_deselected(items=left_out)
+    items[:] = kept
+
+
+def pytest_report_header(config):
+  value = os.environ.get(suite_scope.SHARE_ENV)
+  if value:
+    return (f"{suite_scope.SHARE_ENV}={value}: the light test files and "
+            f"share {value} of the costly ones")
+  return None
 
 
 def pytest_collection_finish(session):

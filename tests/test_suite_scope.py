@@ -1,0 +1,76 @@
+"""`TFPAR_TEST_SHARE=i/K`: K shares that together run every test file once
+each costly file, every light or unrecorded file in each share."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+import suite_scope
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _recorded():
+  return suite_scope.read_file_seconds()
+
+
+@pytest.mark.parametrize("shares", [1, 2, 3, 4])
+def test_shares_run_each_costly_file_once_and_light_files_always(shares):
+  seconds = _recorded()
+  costly = {n for n, cpu in seconds.items()
+            if cpu >= suite_scope.LIGHT_CPU_SECONDS}
+  assert len(costly) > 10
+  runs = [set(seconds) - suite_scope.files_outside_share(i, shares, seconds)
+          for i in range(1, shares + 1)]
+  for name in seconds:
+    count = sum(name in run for run in runs)
+    assert count == (1 if name in costly else shares), (name, count)
+  # Balanced: no share's costly files exceed an even split by more than
+  # the costliest file.
+  loads = [sum(seconds[n] for n in run & costly) for run in runs]
+  total = sum(seconds[n] for n in costly)
+  assert max(loads) <= total / shares + max(seconds[n] for n in costly)
+
+
+def test_the_record_names_test_files_that_exist():
+  """A renamed file would run in every share; a stale name is a sign the
+  record wants refreshing (suite_scope's docstring says how)."""
+  names = {os.path.relpath(p, os.path.dirname(_TESTS))
+           for p in glob.glob(os.path.join(_TESTS, "test_*.py"))}
+  assert set(_recorded()) <= names, sorted(set(_recorded()) - names)
+
+
+@pytest.mark.parametrize("value", ["0/2", "3/2", "1/0", "a/b", "2", "1/2/3",
+                                   ""])
+def test_bad_share_is_a_value_error_naming_it(value):
+  with pytest.raises(ValueError, match=f"TFPAR_TEST_SHARE must be i/K.*"
+                     f"Received: TFPAR_TEST_SHARE='{value}'"):
+    suite_scope.parse_share(value)
+
+
+def test_pytest_leaves_out_the_other_shares_files():
+  """Collected under the share that does not hold test_three_d.py, its
+  tests are deselected and test_mesh.py's (light) are kept; a bad value
+  stops pytest with the rule."""
+  seconds = _recorded()
+  share = next(i for i in (1, 2)
+               if "tests/test_three_d.py" in
+               suite_scope.files_outside_share(i, 2, seconds))
+  root = os.path.dirname(_TESTS)
+  command = [sys.executable, "-m", "pytest", "--collect-only", "-q",
+             "-p", "no:xdist", "tests/test_three_d.py", "tests/test_mesh.py"]
+  env = dict(os.environ, TFPAR_TEST_SHARE=f"{share}/2")
+  run = subprocess.run(command, cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  assert "tests/test_mesh.py::" in run.stdout
+  assert "tests/test_three_d.py::" not in run.stdout
+  assert "deselected" in run.stdout
+  env[suite_scope.SHARE_ENV] = "3/2"
+  run = subprocess.run(command, cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert run.returncode != 0
+  assert "TFPAR_TEST_SHARE must be i/K" in run.stdout + run.stderr
