@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
 
 
-def pytest_report_header(config):
+def pytest_report_header():
   value = os.environ.get(suite_scope.SHARE_ENV)
   if value:
     return (f"{suite_scope.SHARE_ENV}={value}: the light test files and "
