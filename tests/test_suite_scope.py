@@ -13,13 +13,9 @@ import suite_scope
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def _recorded():
-  return suite_scope.read_file_seconds()
-
-
 @pytest.mark.parametrize("shares", [1, 2, 3, 4])
 def test_shares_run_each_costly_file_once_and_light_files_always(shares):
-  seconds = _recorded()
+  seconds = suite_scope.read_file_seconds()
   costly = {n for n, cpu in seconds.items()
             if cpu >= suite_scope.LIGHT_CPU_SECONDS}
   assert len(costly) > 10
@@ -40,7 +36,8 @@ def test_the_record_names_test_files_that_exist():
   record wants refreshing (suite_scope's docstring says how)."""
   names = {os.path.relpath(p, os.path.dirname(_TESTS))
            for p in glob.glob(os.path.join(_TESTS, "test_*.py"))}
-  assert set(_recorded()) <= names, sorted(set(_recorded()) - names)
+  recorded = set(suite_scope.read_file_seconds())
+  assert recorded <= names, sorted(recorded - names)
 
 
 @pytest.mark.parametrize("value", ["0/2", "3/2", "1/0", "a/b", "2", "1/2/3",
@@ -55,7 +52,7 @@ def test_pytest_leaves_out_the_other_shares_files():
   """Collected under the share that does not hold test_three_d.py, its
   tests are deselected and test_mesh.py's (light) are kept; a bad value
   stops pytest with the rule."""
-  seconds = _recorded()
+  seconds = suite_scope.read_file_seconds()
   share = next(i for i in (1, 2)
                if "tests/test_three_d.py" in
                suite_scope.files_outside_share(i, 2, seconds))

@@ -56,6 +56,10 @@ def _floating(value):
   return dtype is not None and tf.as_dtype(dtype).is_floating
 
 
+def _is_gathered(weight):
+  return isinstance(weight, sharded_weights.GatheredWeight)
+
+
 def _kept(call, unit):
   """`call`, gathering `unit`'s buckets once and keeping them for the
   backward pass (a layer that draws random numbers)."""
@@ -93,11 +97,10 @@ def regather_in_backward(model, bucket_bytes, strategy):
     if original is not None:
       layer.call = original
   for weight in model.trainable_variables:
-    if isinstance(weight, sharded_weights.GatheredWeight):
+    if _is_gathered(weight):
       weight._tfpar_zero_bucket = None  # pylint: disable=protected-access
-  units = buckets.plan(
-      model, bucket_bytes, lambda w: isinstance(w, sharded_weights.GatheredWeight),
-      lambda w: getattr(w, "_tfpar_zero_column", None))
+  units = buckets.plan(model, bucket_bytes, _is_gathered,
+                       lambda w: getattr(w, "_tfpar_zero_column", None))
   for unit in units:
     for bucket in unit.buckets:
       bucket.site = collectives.new_site(strategy)

@@ -33,6 +33,7 @@ _phase = threading.local()  # Set to BACKWARD while a layer is recomputed.
 
 
 def in_replica():
+  """Whether this runs in a replica of a strategy (inside a step)."""
   return (tf.distribute.has_strategy() and
           not tf.distribute.in_cross_replica_context())
 
@@ -83,8 +84,9 @@ class GatheredWeight(keras_layers.WholeAssignment):
     # The gathers and reduce-scatters of this weight take fixed collective
     # keys: the process keeps no new record per key and step.
     site = getattr(self, "_tfpar_zero_site", None)
-    phase = current_phase()
-    fused = buckets.gathered(self, phase)  # Its bucket's, in its unit.
+    gather_phase = current_phase()
+    # Its bucket's, in its unit:
+    fused = buckets.gathered(self, gather_phase)
     if fused is not None:
       return fused
 
@@ -97,10 +99,10 @@ class GatheredWeight(keras_layers.WholeAssignment):
       if low.dtype == tf.bfloat16:
         # CPU collectives take no bfloat16: move its bits as float16.
         whole = tf.bitcast(
-            collectives.all_gather(tf.bitcast(low, tf.float16), phase, path,
-                                   column, site), tf.bfloat16)
+            collectives.all_gather(tf.bitcast(low, tf.float16), gather_phase,
+                                   path, column, site), tf.bfloat16)
       else:
-        whole = collectives.all_gather(low, phase, path, column, site)
+        whole = collectives.all_gather(low, gather_phase, path, column, site)
 
       def grad(upstream):
         # The gradient is reduced in the weight's own dtype (float32).
