@@ -10,6 +10,7 @@ from tfpar._compat import keras_layers
 from tfpar._compat.tf_modules import resource_variable_ops
 from tfpar.common import clipping
 from tfpar.engine import extended as engine_extended
+from tfpar.engine import materialize
 from tfpar.engine import spread
 from tfpar.zero import slices
 from tfpar.zero import spread_slices
@@ -86,7 +87,7 @@ class DataParallelExtended(engine_extended.MeshExtended):
     replicas' slices of its own draw. One all-gather of two numbers per
     weight; every worker calls it as it prepares the model."""
     pending = [(v, keras_layers.storage(v))
-               for v in spread.pending_weights(model)]
+               for v in materialize.pending_weights(model)]
     pending = [(v, s) for v, s in pending if s.drawn is not None]
     if not self._mesh.is_multi_worker or not pending:
       return

@@ -3,20 +3,18 @@ steps, three panels in one PNG. Drawn with matplotlib when it is
 installed, else with NumPy and tfpar's bitmap font (the planner's chart
 code), so nothing else is needed."""
 
-import math
-
 import numpy as np
 
+from tfpar import bitmap_axis as axis
 from tfpar import bitmap_font as font
 from tfpar.monitor import csv_log
-from tfpar.monitor import png
+from tfpar import png
 
 KIND_COLORS = (("all-reduce", (66, 133, 244)), ("all-gather", (52, 168, 83)),
                ("reduce-scatter", (251, 188, 4)),
                ("all-to-all", (171, 71, 188)), ("broadcast", (255, 112, 67)))
 LINE = (66, 133, 244)
-INK = (40, 40, 40)
-GRID = (225, 225, 225)
+INK = axis.INK
 _WIDTH, _PANEL, _LEFT, _RIGHT, _GAP = 640, 150, 80, 20, 44
 
 
@@ -52,15 +50,6 @@ def panels(rows):
       lines.append((kind.upper(), color, steps, values))
   result.append(("BUS GB/S", lines))
   return result
-
-
-def _tick_step(top):
-  raw = top / 4
-  power = 10 ** math.floor(math.log10(raw))
-  for factor in (1, 2, 5, 10):
-    if factor * power >= raw:
-      return factor * power
-  return 10 * power
 
 
 def _label(value):
@@ -101,16 +90,8 @@ def image_of(rows):
     if not values:
       font.draw_text(image, "UNKNOWN", top + _PANEL // 2, _LEFT + 10, INK)
     largest = max(values + [0.0]) or 1.0
-    step = _tick_step(largest * 1.1)
-    top_value = step * math.ceil(largest * 1.1 / step)
-    for tick in range(int(round(top_value / step)) + 1):
-      y = base - int(round(tick * step * _PANEL / top_value))
-      image[y, _LEFT:right] = GRID
-      text = _label(tick * step)
-      font.draw_text(image, text, y - 3, _LEFT - 6 - font.text_width(text),
-                     INK)
-    image[top:base + 1, _LEFT - 1] = INK
-    image[base, _LEFT - 1:right] = INK
+    top_value = axis.draw_value_axis(image, largest * 1.1, 4, _label, base,
+                                     _PANEL, _LEFT, right)
     for _, color, xs, ys in series:
       points = [(_LEFT + (s - first) / span * (right - _LEFT - 1),
                  base - v / top_value * _PANEL) for s, v in zip(xs, ys)]

@@ -14,8 +14,8 @@ among the s-th devices of the replicas.
 from tfpar import batches
 from tfpar.common import clipping
 from tfpar.engine import extended as engine_extended
+from tfpar.engine import materialize
 from tfpar.engine import prepared_models
-from tfpar.engine import spread
 from tfpar.pipeline import executor
 from tfpar.pipeline import placement
 from tfpar.pipeline import stages as stages_lib
@@ -123,7 +123,7 @@ class PipelineParallelExtended(engine_extended.MeshExtended):
       self._shard_stages(model, plan, layer_layouts)
     self.lay_out_elsewhere(model, plan)
     # In no stage.
-    spread.materialize_pending(model, self._container_strategy())
+    materialize.materialize_pending(model, self._container_strategy())
     object.__setattr__(model, "_tfpar_stage_plan", plan)
     pipelined = steps_lib.PipelinedSteps(
         model, lambda: self.runner(plan), self.num_microbatches)

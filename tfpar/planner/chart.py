@@ -9,20 +9,19 @@ run yet) and total (red when it does not fit). Drawn with NumPy and
 encoded with `tf.io.encode_png`, so no plotting package is needed.
 """
 
-import math
-
 import numpy as np
 
+from tfpar import bitmap_axis as axis
 from tfpar import bitmap_font as font
+from tfpar import png
 from tfpar.planner import units
 
 PARTS = (("parameters", (66, 133, 244)), ("gradients", (251, 188, 4)),
          ("optimizer", (52, 168, 83)), ("activations", (171, 71, 188)),
          ("accumulators", (255, 112, 67)))
 LIMIT = (219, 68, 55)
-INK = (40, 40, 40)
+INK = axis.INK
 MUTED = (150, 150, 150)
-GRID = (225, 225, 225)
 WHITE = (255, 255, 255)
 _PLOT_HEIGHT = 280
 _LEFT, _RIGHT, _TOP = 64, 24, 58
@@ -53,16 +52,6 @@ def bar_labels(layout):
   if layout.recompute:
     lines.append("+RECOMPUTE")
   return lines
-
-
-def _tick_step(top):
-  """A 1-2-5 step giving about five ticks up to `top`."""
-  raw = top / 5
-  power = 10 ** math.floor(math.log10(raw))
-  for factor in (1, 2, 5, 10):
-    if factor * power >= raw:
-      return factor * power
-  return 10 * power
 
 
 def chart_image(result, candidates):
@@ -104,18 +93,11 @@ def chart_image(result, candidates):
   base = _TOP + 16 + _PLOT_HEIGHT  # The row under the bars.
   largest = max([c.memory.total for c in candidates] +
                 [result.memory_per_device])
-  step = _tick_step(largest * 1.05)
-  top_value = step * math.ceil(largest * 1.05 / step)
-  pixels = _PLOT_HEIGHT / top_value
   right = _LEFT + slot * len(candidates)
-  for tick in range(int(round(top_value / step)) + 1):
-    y = base - int(round(tick * step * pixels))
-    image[y, _LEFT:right] = GRID
-    label = units.format_bytes(tick * step).upper()
-    font.draw_text(image, label, y - 3, _LEFT - 6 - font.text_width(label),
-                   INK)
-  image[_TOP + 16:base + 1, _LEFT - 1] = INK
-  image[base, _LEFT - 1:right] = INK
+  top_value = axis.draw_value_axis(
+      image, largest * 1.05, 5, lambda value: units.format_bytes(value).upper(),
+      base, _PLOT_HEIGHT, _LEFT, right)
+  pixels = _PLOT_HEIGHT / top_value
 
   tops = []
   for index, candidate in enumerate(candidates):
@@ -176,6 +158,11 @@ def write_png(result, path, candidates):
   >>> write_png(result, "/tmp/plan.png", result.shown())  # doctest: +SKIP
   '/tmp/plan.png'
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.io.write_file(path, tf.io.encode_png(chart_image(result, candidates)))
+  data = png.encode(chart_image(result, candidates))
+  if "://" in path:  # gs:// and other file systems TensorFlow reaches.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf.io.write_file(path, data)
+  else:
+    with open(path, "wb") as f:
+      f.write(data)
   return path

@@ -34,6 +34,7 @@ builds.
 
 from tfpar._compat import keras_layers
 from tfpar.common import whole_weights
+from tfpar.engine import materialize
 from tfpar.engine import spread
 from tfpar.engine import variable_placement
 from tfpar.engine.per_device import checks as per_device_checks
@@ -182,7 +183,7 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
       # of them, less than its final share (all of them).
       split = {v.path for layout in already for v in layout.variables
                if v.axis is not None}
-      spread.materialize_pending(model, strategy, skip=split | elsewhere)
+      materialize.materialize_pending(model, strategy, skip=split | elsewhere)
       for layout in already:
         with spread.creating_in_place():
           weights_lib.split_layer(layout, self.tensor_size, strategy)
@@ -190,7 +191,7 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
         object.__setattr__(layout.layer, "_tfpar_layer_layout", layout)
     # Weights of layers outside the layouts (a head added around a model
     # sharded before) stay whole on every device.
-    spread.materialize_pending(model, self._container_strategy(),
+    materialize.materialize_pending(model, self._container_strategy(),
                                skip=elsewhere)
     if self._sequence_parallel:
       sequence_lib.install(model, self._memo.slices)

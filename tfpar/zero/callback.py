@@ -5,7 +5,7 @@ import os
 import keras
 
 from tfpar import keras_hooks
-from tfpar.engine import spread
+from tfpar.engine import materialize
 from tfpar.zero import checkpoint
 from tfpar.zero import collectives
 from tfpar.zero import regather
@@ -186,7 +186,7 @@ class ZeRO(keras.callbacks.Callback):
     regather.regather_in_backward(model, self.bucket_bytes, strategy)
     # Frozen weights (`layer.trainable = False` after building) stay whole
     # on every replica until a later compile makes them trainable.
-    spread.materialize_pending(model, strategy)
+    materialize.materialize_pending(model, strategy)
     object.__setattr__(model, "_tfpar_zero_weights", state)
 
   def _load(self, model):
