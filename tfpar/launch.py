@@ -11,6 +11,8 @@ SIGKILL (see `tfpar.lifetime` and `tfpar.netns`). With `--recipe NAME` the
 workers' `tfpar.from_recipe()` builds that recipe's strategy. With
 `--elastic` a lost worker restarts the job on the workers left
 (`tfpar.launch_elastic`); the processes are run by `tfpar.supervise`.
+TensorFlow's start-up log is left out of the workers' output
+(`tfpar.tf_startup_log`; `TFPAR_TF_LOGS=1` keeps it).
 """
 
 import dataclasses
@@ -24,6 +26,7 @@ import time
 from tfpar import launch_elastic
 from tfpar import netns
 from tfpar import supervise
+from tfpar import tf_startup_log
 from tfpar.environment import DEVICES_PER_WORKER_ENV
 from tfpar.ports import free_ports  # pylint: disable=unused-import
 from tfpar.recipes import files as recipe_files
@@ -210,17 +213,24 @@ def launch(config, out=None):
                            out, grace=_GRACE_SECONDS + 2).code
     out.write("tfpar launch: cannot make a private network namespace here; "
               "TensorFlow's worker servers will listen on all interfaces.\n")
+  keep = tf_startup_log.LineFilter()
   if config.elastic:
-    return launch_elastic.run(
+    code = launch_elastic.run(
         config.workers, config.min_workers, config.max_restarts,
         lambda attempt: _run_workers(config, attempt.workers, deadline, out,
-                                     attempt.env, attempt.grace), out)
-  return _run_workers(config, config.workers, deadline, out).code
+                                     keep, attempt.env, attempt.grace), out)
+  else:
+    code = _run_workers(config, config.workers, deadline, out, keep).code
+  summary = keep.summary("tfpar launch")
+  if summary:
+    supervise.say(out, None, summary)
+  return code
 
 
-def _run_workers(config, workers, deadline, out, extra_env=None,
+def _run_workers(config, workers, deadline, out, keep, extra_env=None,
                  grace=_GRACE_SECONDS):
-  """Runs `workers` workers of `config` to the end; their `Outcome`."""
+  """Runs `workers` workers of `config` to the end; their `Outcome`
+  (`keep`: which of their output lines to write)."""
   envs = []
   for tf_config in tf_configs(workers, config.host):
     env = dict(os.environ, **config.env, **(extra_env or {}),
@@ -232,7 +242,7 @@ def _run_workers(config, workers, deadline, out, extra_env=None,
     envs.append(env)
   prefixes = [f"[worker {index}] " for index in range(workers)]
   return supervise.run([config.command] * workers, envs, prefixes, deadline,
-                       out, grace)
+                       out, grace, keep)
 
 
 if __name__ == "__main__":

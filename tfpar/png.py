@@ -1,5 +1,6 @@
 """A PNG encoder for RGB uint8 arrays (zlib only: no TensorFlow, no PIL),
-so that `tfpar monitor plot` draws without starting TensorFlow."""
+so that `tfpar monitor plot` and `tfpar plan --plot` draw without starting
+TensorFlow."""
 
 import struct
 import zlib

@@ -47,7 +47,8 @@ class Outcome:
   seen: float = None
 
 
-def run(commands, envs, prefixes, deadline, out, grace=GRACE_SECONDS):
+def run(commands, envs, prefixes, deadline, out, grace=GRACE_SECONDS,
+        keep=None):
   """Runs one process per command to the end; returns an `Outcome`.
 
   Args:
@@ -58,6 +59,7 @@ def run(commands, envs, prefixes, deadline, out, grace=GRACE_SECONDS):
       (None: no limit).
     out: where the output goes.
     grace: seconds between the polite signal and SIGKILL when stopping.
+    keep: which output lines to write (`keep(line)`; None: every line).
 
   Example:
 
@@ -77,7 +79,8 @@ def run(commands, envs, prefixes, deadline, out, grace=GRACE_SECONDS):
       for command, env in zip(commands, envs):
         processes.append(lifetime.spawn(command, env))
       pumps = [threading.Thread(target=_pump, daemon=True,
-                                args=(process.stdout, prefix, out, lock))
+                                args=(process.stdout, prefix, out, lock,
+                                      keep))
                for process, prefix in zip(processes, prefixes)]
       for pump in pumps:
         pump.start()
@@ -132,9 +135,11 @@ def _saving(code, codes):
           all(other in (None, EXIT_PREEMPTED) for other in codes))
 
 
-def _pump(stream, prefix, out, lock):
+def _pump(stream, prefix, out, lock, keep):
   for raw in iter(stream.readline, b""):
-    say(out, lock, prefix + raw.decode("utf-8", "replace").rstrip("\n"))
+    line = raw.decode("utf-8", "replace").rstrip("\n")
+    if keep is None or keep(line):
+      say(out, lock, prefix + line)
   stream.close()
 
 

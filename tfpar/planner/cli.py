@@ -1,12 +1,15 @@
 """`tfpar plan`: the memory planner on the command line.
 
 Importing this module does not import TensorFlow, so `tfpar --help` and
-`tfpar launch` stay fast; `run` imports it.
+`tfpar launch` stay fast; `run` imports it only to load a `--model`, and
+leaves TensorFlow's start-up log out of its output (`tf_startup_log`).
 """
 
 import importlib
 import os
 import sys
+
+from tfpar import tf_startup_log
 
 _DESCRIPTION = (
     "Estimates the memory per device of parameters, gradients, optimizer "
@@ -148,8 +151,11 @@ def run(args):
   """
   from tfpar.planner import api  # pylint: disable=g-import-not-at-top
   try:
-    model = (args.parameters if args.parameters is not None
-             else load_model(args.model))
+    if args.parameters is not None:
+      model = args.parameters
+    else:  # Starts TensorFlow.
+      with tf_startup_log.filtered_stderr():
+        model = load_model(args.model)
     result = api.plan(
         model, args.devices, args.memory_per_device,
         batch_size=args.batch_size, precision=args.precision,

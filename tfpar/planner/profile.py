@@ -14,8 +14,6 @@ import math
 
 import numpy as np
 
-from tfpar._compat import keras_layers
-
 
 @dataclasses.dataclass(frozen=True)
 class StageLoad:
@@ -145,6 +143,7 @@ class KerasProfile:
     self._tensor_cache, self._pipeline_cache = {}, {}
 
   def _read_graph(self, graph):
+    from tfpar._compat import keras_layers  # pylint: disable=g-import-not-at-top
     from tfpar.pipeline import stages as stages_lib  # pylint: disable=g-import-not-at-top
     import keras  # pylint: disable=g-import-not-at-top
     unknown = self.unknown_shapes
