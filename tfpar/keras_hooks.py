@@ -52,6 +52,8 @@ import inspect
 
 
 from tfpar import batches
+from tfpar._compat import keras_optimizer_hooks
+from tfpar._compat import keras_optimizers
 from tfpar._compat import keras_trainer
 from tfpar._compat.keras_modules import tf_trainer
 from tfpar.common import strategy_hooks
@@ -73,6 +75,17 @@ def install_model_registration():
 
   tf_trainer.TensorFlowTrainer.__init__ = __init__
   _installed.add("registration")
+
+
+def install_optimizer_adoption():
+  """Makes every optimizer created in a tfpar strategy's scope ask the
+  strategy to prepare it before it is first built
+  (`extended.adopt_optimizer`): a custom training loop's optimizer."""
+  def adopt(optimizer, variables):
+    strategy = keras_optimizers.distribution_strategy(optimizer)
+    strategy_hooks.of(strategy).adopt_optimizer(optimizer, variables)
+
+  keras_optimizer_hooks.install_before_first_build(adopt)
 
 
 def install_symbolic_build_batch():

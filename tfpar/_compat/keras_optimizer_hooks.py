@@ -13,6 +13,10 @@ strategy's no-`merge_call` mode instead (`tfpar.engine.merge_free`):
   (Under stock strategies Keras takes the first replica's check, made on
   gradients not yet all-reduced: an overflow on another replica reaches
   the weights.)
+* Adoption before build: an optimizer created in a strategy's scope calls
+  a function of tfpar's before it is first built (by `optimizer.build`, or
+  by its first `apply` / `apply_gradients`), so that a custom training
+  loop's optimizer is prepared as a compiled model's is.
 
 The patches are installed once per process and are idempotent; each checks
 the Keras method it wraps and raises `ImportError` if it moved.
@@ -112,3 +116,44 @@ def install_global_overflow_check():
 
   cls.check_finite = _check_finite
   _installed.add("loss_scaling")
+
+
+def install_before_first_build(before_build):
+  """Patches Keras's TensorFlow optimizer so that every optimizer created
+  from now on calls `before_build(optimizer, variables)` before it is first
+  built, wherever the build comes from. `before_build` may replace the
+  optimizer's `build` (ZeRO does): the build then goes to the new one,
+  which may call the one it replaced (the class's build runs then). A
+  build replaced before (ZeRO's under `fit`) calls this one, which then
+  runs the class's build."""
+  if "before_build" in _installed:
+    return
+  cls = tf_optimizer.TFOptimizer
+  (init,) = _check_wrappable(cls, ("__init__",), "_distribution_strategy")
+
+  @functools.wraps(init)
+  def __init__(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    _wrap_build(self, before_build)
+
+  cls.__init__ = __init__
+  _installed.add("before_build")
+
+
+def _wrap_build(optimizer, before_build):
+  class_build = optimizer.build  # Bound to the optimizer's class.
+  building = []  # Set while `before_build` and the build it leads to run.
+
+  def build(variables):
+    if optimizer.built or building:
+      return class_build(variables)
+    building.append(True)
+    try:
+      entry = optimizer.build  # This, or a build that calls it (ZeRO's).
+      before_build(optimizer, variables)
+      replaced = optimizer.build is not entry
+      return (optimizer.build if replaced else class_build)(variables)
+    finally:
+      building.clear()
+
+  object.__setattr__(optimizer, "build", build)

@@ -45,6 +45,14 @@ class StrategyHooks:
     built."""
     del model
 
+  def adopt_optimizer(self, optimizer, variables):
+    """Prepares `optimizer`, created in the strategy's scope, before it is
+    first built for `variables` (tfpar's Keras hook calls it), as the
+    strategy prepares a compiled model's optimizer: what a custom training
+    loop (`strategy.run` with `optimizer.apply_gradients`) needs. A stock
+    strategy is left to Keras."""
+    del optimizer, variables
+
   def generate_function(self, model):
     """The function keras-hub's `CausalLM.generate` runs for `model`
     (`fn(inputs, stop_token_ids=None)`, `_compat/keras_hub_generate.py`),

@@ -78,6 +78,7 @@ class MeshExtended(variable_placement.VariablePlacement,
     self._init_column_reductions()
     self._init_variable_placement()
     keras_hooks.install_model_registration()
+    keras_hooks.install_optimizer_adoption()
     keras_hooks.install_run_hooks()
     keras_hooks.install_symbolic_build_batch()
     keras_optimizer_hooks.install_accumulation_without_merge_call()
@@ -148,6 +149,40 @@ class MeshExtended(variable_placement.VariablePlacement,
     return [list(group) for group in self._local_groups]
 
   checks_batch_size = True
+
+  def adopt_optimizer(self, optimizer, variables):
+    """An optimizer a model was compiled with is prepared with its model
+    (`prepare_model`); any other is a custom training loop's, prepared by
+    `adopt_loop_optimizer`."""
+    if getattr(self._preparing, "active", False):
+      return  # A twin tfpar builds while it prepares a model.
+    if not in_replica():
+      with self._container_strategy().scope():
+        self.prepare_pending_models()
+    model = self.model_of(variables)
+    compiled = getattr(model, "optimizer", None)
+    if compiled is not None and any(
+        optimizer is o for o in (compiled, getattr(compiled,
+                                                   "inner_optimizer", None))):
+      return
+    self.adopt_loop_optimizer(optimizer, model)
+
+  def adopt_loop_optimizer(self, optimizer, model):
+    """Prepares `optimizer`, built by a custom training loop to train
+    `model` (None: variables of no model created in the scope, left as
+    they are). Refused here for a model's weights: the data-parallel and
+    tensor-parallel strategies override it."""
+    if model is None:
+      return
+    raise ValueError(
+        f"{type(self._container_strategy()).__name__} prepares the "
+        f"optimizer a model is compiled with (model.compile(optimizer=...)) "
+        f"for fit, evaluate and predict; optimizer {optimizer.name!r} is "
+        f"being built by a custom training loop (optimizer.apply or "
+        f"apply_gradients outside fit), which tfpar supports under "
+        f"DataParallelStrategy and TensorParallelStrategy. Compile the "
+        f"model with it and train with fit (override train_step for a step "
+        f"of your own).")
 
   def steps_loop_refusal(self):
     """In one process, the steps' collectives draw their instance keys
@@ -229,3 +264,17 @@ def _tf_config_hidden():
   finally:
     if saved is not None:
       os.environ["TF_CONFIG"] = saved
+
+
+def in_replica():
+  """Whether a replica function runs now (`strategy.run`), as opposed to
+  a strategy's scope or no strategy at all.
+
+  Example:
+
+  >>> from tfpar.engine.extended import in_replica
+  >>> in_replica()
+  False
+  """
+  return (tf.distribute.has_strategy() and
+          not tf.distribute.in_cross_replica_context())

@@ -58,6 +58,16 @@ class PreparedModels:
     finally:
       self._preparing.active = False
 
+  def model_of(self, variables):
+    """The model created in this strategy's scope whose trainable weights
+    include every one of `variables` (the outermost if several do), or
+    None."""
+    wanted = {id(v) for v in variables}
+    owners = [m for m in self.registered_models()
+              if wanted <= {id(v) for v in m.trainable_variables}]
+    return max(owners, key=lambda m: len(m.trainable_variables),
+               default=None)
+
   def prepares_outermost_first(self):
     """Whether a model holding registered models is prepared before them
     (else in creation order: nested models first)."""

@@ -152,6 +152,16 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
         getattr(optimizer, "_tfpar_zero", None) is None):
       self._zero.prepare_fit(model)  # As the callback does at `fit`.
 
+  def adopt_loop_optimizer(self, optimizer, model):
+    """A custom training loop's optimizer works on the model's shards as a
+    compiled one does (`_adopt`), and is sharded under `zero=`."""
+    if model is None:
+      return
+    self._adopt(optimizer, model)
+    if self._zero is not None:
+      self._zero.prepare_loop_optimizer(model, optimizer,
+                                        self._container_strategy())
+
   def laid_out_elsewhere(self, model):
     """Paths of `model`'s weights another parallelism lays out (left
     spread by `shard_model`); none here."""

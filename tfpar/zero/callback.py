@@ -5,6 +5,7 @@ import os
 import keras
 
 from tfpar import keras_hooks
+from tfpar.engine import extended as engine_extended
 from tfpar.engine import materialize
 from tfpar.zero import checkpoint
 from tfpar.zero import collectives
@@ -112,7 +113,23 @@ class ZeRO(keras.callbacks.Callback):
   def prepare_fit(self, model):
     """Shards `model.optimizer` (and under stage 3 the weights) before
     `fit` builds the optimizer (called by tfpar's `fit` hook)."""
-    optimizer = model.optimizer
+    if model.run_eagerly:
+      raise ValueError(
+          "tfpar.ZeRO needs compiled steps (its collectives cannot be "
+          "launched from eager replica functions one after another). "
+          "Received: run_eagerly=True; compile with run_eagerly=False.")
+    self.prepare_optimizer(model, model.optimizer)
+
+  def prepare_optimizer(self, model, optimizer):
+    """Shards `optimizer`, not built yet, for `model`'s trainable weights
+    (and under stage 3 the weights): `model`'s compiled optimizer before
+    `fit` builds it, or the optimizer a custom training loop builds
+    (`DataParallelStrategy.extended.adopt_optimizer`).
+
+    Args:
+      model: a model created in the strategy's scope.
+      optimizer: the Keras optimizer that trains it.
+    """
     existing = getattr(optimizer, "_tfpar_zero", None)
     if existing is not None:
       if (existing.stage, existing.offload) != (self.stage, self.offload):
@@ -123,11 +140,6 @@ class ZeRO(keras.callbacks.Callback):
             f"{self.stage}, offload={self.offload!r}.")
       return
     strategy = model.distribute_strategy
-    if model.run_eagerly:
-      raise ValueError(
-          "tfpar.ZeRO needs compiled steps (its collectives cannot be "
-          "launched from eager replica functions one after another). "
-          "Received: run_eagerly=True; compile with run_eagerly=False.")
     _check_float32_weights(model)
     # A LossScaleOptimizer (mixed_float16) keeps its scale whole; the
     # optimizer it wraps is sharded.
@@ -162,6 +174,44 @@ class ZeRO(keras.callbacks.Callback):
       checkpoint.install(saved, model)  # Keras saves both.
     if self.load_from is not None:
       self._load(model)
+
+  def prepare_loop_optimizer(self, model, optimizer, strategy):
+    """Shards `optimizer`, which a custom training loop builds to train
+    `model` (strategies created with `zero=` call it before it builds).
+
+    Args:
+      model: the model it trains (None: variables of no model created in
+        the strategy's scope).
+      optimizer: the Keras optimizer, not built yet.
+      strategy: the model's strategy.
+
+    Raises:
+      ValueError: no model, a `load_from` (it loads a compiled model's
+        state), or the build happens inside `strategy.run` (too late to
+        create the sharded state: build it before the loop).
+    """
+    what = (f"{type(strategy).__name__}(zero=tfpar.ZeRO("
+            f"stage={self.stage}))")
+    if model is None:
+      raise ValueError(
+          f"{what} shards the optimizer of a model created in its scope; "
+          f"optimizer {optimizer.name!r} is being built for variables of "
+          f"no such model. Create the model in strategy.scope().")
+    if self.load_from is not None:
+      raise ValueError(
+          f"tfpar.ZeRO(load_from={self.load_from!r}) loads the state of "
+          f"the optimizer model {model.name!r} is compiled with; optimizer "
+          f"{optimizer.name!r} belongs to a custom training loop. Compile "
+          f"the model with it and train with fit.")
+    if engine_extended.in_replica():
+      raise ValueError(
+          f"{what} creates the sharded state of optimizer "
+          f"{optimizer.name!r} before its first step, and it is being built "
+          f"inside strategy.run (by its first apply or apply_gradients). "
+          f"Build it before the training loop: `with strategy.scope(): "
+          f"optimizer.build(model.trainable_variables)`.")
+    with strategy.scope():
+      self.prepare_optimizer(model, optimizer)
 
   def prepare_weights(self, model, strategy):
     """Stage 3 at build time: gives a built model's trainable weights

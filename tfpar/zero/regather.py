@@ -8,6 +8,7 @@ from tfpar._compat.keras_modules import keras_variables
 from tfpar.common import instrument
 from tfpar.common import recomputed_state
 from tfpar.common import strategy_hooks
+from tfpar.engine import extended as engine_extended
 from tfpar.zero import buckets
 from tfpar.zero import collectives
 from tfpar.zero import sharded_weights
@@ -20,7 +21,7 @@ def _recomputed(call, unit):
   (batch normalization's moving statistics) it updates once, and the
   losses its layers add keep their gradients (`recomputed_state`)."""
   def wrapped(*args, **kwargs):
-    if not sharded_weights.in_replica():
+    if not engine_extended.in_replica():
       return call(*args, **kwargs)
     runs = []
     state = recomputed_state.CallState(unit.layer.non_trainable_variables)
@@ -64,7 +65,7 @@ def _kept(call, unit):
   """`call`, gathering `unit`'s buckets once and keeping them for the
   backward pass (a layer that draws random numbers)."""
   def wrapped(*args, **kwargs):
-    if not sharded_weights.in_replica():
+    if not engine_extended.in_replica():
       return call(*args, **kwargs)
     with buckets.running(unit):
       return call(*args, **kwargs)

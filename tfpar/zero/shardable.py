@@ -1,4 +1,5 @@
-"""Which optimizers `tfpar.ZeRO` can shard, checked before it does."""
+"""Which optimizers `tfpar.ZeRO` can shard, checked before it does, and
+where its collectives cannot run."""
 
 from tfpar._compat import keras_optimizers
 
@@ -30,3 +31,20 @@ def check_shardable(optimizer, strategy):
         f"tfpar.ZeRO does not shard optimizers with use_ema=True (the "
         f"moving averages are full-size copies of the weights). Received "
         f"optimizer {optimizer.name!r} with use_ema=True.")
+
+
+def refuse_eager_replicas(stage, doing):
+  """Raises the `ValueError` for a ZeRO collective launched from an eager
+  replica function: TensorFlow runs eager replicas one after another, so
+  the first would wait forever for the others.
+
+  Args:
+    stage: the ZeRO stage.
+    doing: what launched it ("gathers weight 'dense/kernel'").
+  """
+  raise ValueError(
+      f"tfpar.ZeRO(stage={stage}) {doing} with collectives every replica "
+      f"launches together, which replica functions run eagerly cannot. Run "
+      f"the training step in a tf.function (`@tf.function` around the "
+      f"function that calls strategy.run), or compile with "
+      f"run_eagerly=False.")

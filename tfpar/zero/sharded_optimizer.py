@@ -28,6 +28,7 @@ from tfpar.common import strategy_hooks
 from tfpar.common.clipping import clips
 from tfpar.zero import clipping
 from tfpar.zero import collectives
+from tfpar.zero import shardable
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients
 
@@ -180,6 +181,9 @@ def shard(optimizer, state):
 
 
 def _apply_sharded(optimizer, state, grads, variables):
+  if tf.executing_eagerly():
+    shardable.refuse_eager_replicas(
+        state.stage, f"applies the gradients of optimizer {optimizer.name!r}")
   entries = [state.entries[id(v)] for v in variables]
   # Per-device (SPMD) strategies: partial ones summed over the group.
   grads = strategy_hooks.of(state.strategy).zero_partial_gradients(

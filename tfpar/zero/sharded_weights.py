@@ -20,9 +20,11 @@ import tensorflow as tf
 from tfpar._compat import keras_layers
 from tfpar._compat import keras_trainer
 from tfpar.common import instrument
+from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.zero import buckets
 from tfpar.zero import collectives
+from tfpar.zero import shardable
 from tfpar.zero import slices
 from tfpar.zero import sparse_gradients
 from tfpar.zero import spread_slices
@@ -30,12 +32,6 @@ from tfpar.zero import spread_slices
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 _classes = {}
 _phase = threading.local()  # Set to BACKWARD while a layer is recomputed.
-
-
-def in_replica():
-  """Whether this runs in a replica of a strategy (inside a step)."""
-  return (tf.distribute.has_strategy() and
-          not tf.distribute.in_cross_replica_context())
 
 
 def current_phase():
@@ -75,8 +71,10 @@ class GatheredWeight(keras_layers.WholeAssignment):
     return tf.reshape(flat, self.shape)
 
   def _tfpar_gathered(self):
-    if not in_replica():
+    if not engine_extended.in_replica():
       return keras_layers.autocast(self, self._tfpar_whole_tensor())
+    if tf.executing_eagerly():
+      shardable.refuse_eager_replicas(3, f"gathers weight {self.path!r}")
     count = tf.distribute.get_replica_context().num_replicas_in_sync
     length = slices.components(self)[0].shape[0] * count
     shape, elements, path = self.shape, self.shape.num_elements(), self.path
@@ -144,7 +142,7 @@ class GatheredWeight(keras_layers.WholeAssignment):
     return np.asarray(self.numpy(), dtype=dtype)
 
   def assign_whole(self, value):
-    if in_replica():
+    if engine_extended.in_replica():
       raise ValueError(
           f"Weight {self.path!r} is sharded by tfpar.ZeRO(stage=3); only "
           f"the optimizer updates it inside a training step.")

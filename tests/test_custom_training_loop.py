@@ -1,0 +1,212 @@
+"""Custom training loops (TensorFlow's guide, `strategy.run` with
+`optimizer.apply_gradients`) under tfpar's strategies, against the same
+loop on one device.
+
+The guide's code as written ("Custom training with tf.distribute.Strategy":
+`experimental_distribute_dataset`, `tf.nn.compute_average_loss`,
+`strategy.reduce`), with Keras 3's optimizer and global-norm clipping.
+"""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+
+GLOBAL_BATCH_SIZE = 16
+EPOCHS = 2
+
+
+def _dataset():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(128, 12)).astype("float32")
+  y = rng.integers(0, 5, size=(128,)).astype("int64")
+  return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH_SIZE)
+
+
+def _create_model():
+  keras.utils.set_random_seed(7)
+  return keras.Sequential([
+      keras.Input((12,)), keras.layers.Dense(64, activation="relu"),
+      keras.layers.Dense(64, activation="relu"), keras.layers.Dense(5)])
+
+
+def _train(strategy, build_first=False):
+  """The guide's loop; (epoch losses, weights, optimizer)."""
+  with strategy.scope():
+    model = _create_model()
+    optimizer = keras.optimizers.Adam(global_clipnorm=0.5)
+    if build_first:
+      optimizer.build(model.trainable_variables)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None)
+
+    def compute_loss(labels, predictions):
+      per_example_loss = loss_object(labels, predictions)
+      return tf.nn.compute_average_loss(per_example_loss,
+                                        global_batch_size=GLOBAL_BATCH_SIZE)
+
+  def train_step(inputs):
+    images, labels = inputs
+    with tf.GradientTape() as tape:
+      predictions = model(images, training=True)
+      loss = compute_loss(labels, predictions)
+    gradients = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    return loss
+
+  @tf.function
+  def distributed_train_step(dataset_inputs):
+    per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses,
+                           axis=None)
+
+  losses = []
+  for _ in range(EPOCHS):
+    total, batches = 0.0, 0
+    for batch in strategy.experimental_distribute_dataset(_dataset()):
+      total += float(distributed_train_step(batch))
+      batches += 1
+    losses.append(total / batches)
+  return losses, [np.asarray(w) for w in model.get_weights()], optimizer
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device():
+  losses, weights, optimizer = _train(tf.distribute.get_strategy())
+  return losses, weights, _state_bytes_per_device(optimizer)
+
+
+def _state_bytes_per_device(optimizer):
+  """{device: bytes} of the optimizer's moments, counted from each
+  variable's components (an independent count, not tfpar's report)."""
+  held = {}
+  for variable in optimizer.variables:
+    if not variable.path.endswith(("momentum", "velocity")):
+      continue
+    inner = getattr(variable, "value", variable)
+    for component in getattr(inner, "values", (inner,)):
+      held[component.device] = held.get(component.device, 0) + (
+          component.shape.num_elements() * component.dtype.size)
+  return held
+
+
+LAYOUTS = {
+    "data 4": (lambda: tfpar.DataParallelStrategy(
+        tfpar.Mesh({"data": 4})), False, 1),
+    "data 2 x tensor 2": (lambda: tfpar.TensorParallelStrategy(
+        tfpar.Mesh({"data": 2, "tensor": 2})), False, None),
+    "data 4, ZeRO-1": (lambda: tfpar.DataParallelStrategy(
+        tfpar.Mesh({"data": 4}), zero=tfpar.ZeRO(stage=1)), True, 4),
+    "data 4, ZeRO-2": (lambda: tfpar.DataParallelStrategy(
+        tfpar.Mesh({"data": 4}), zero=tfpar.ZeRO(stage=2)), True, 4),
+    "data 4, ZeRO-3": (lambda: tfpar.DataParallelStrategy(
+        tfpar.Mesh({"data": 4}), zero=tfpar.ZeRO(stage=3)), True, 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_guides_loop_trains_as_one_device(layout):
+  make, build_first, state_share = LAYOUTS[layout]
+  reference_losses, reference_weights, reference_bytes = _one_device()
+  losses, weights, optimizer = _train(make(), build_first)
+  np.testing.assert_allclose(losses, reference_losses, rtol=1e-6)
+  for got, want in zip(weights, reference_weights):
+    np.testing.assert_allclose(got, want, atol=1e-6)
+  whole = sum(reference_bytes.values())
+  held = _state_bytes_per_device(optimizer)
+  assert len(held) == 4
+  if state_share is None:  # Tensor 2: split kernels' moments halved.
+    assert whole / 2 < max(held.values()) < whole
+  else:  # Whole per device, or 1/N of it padded to whole slices.
+    for device_bytes in held.values():
+      assert whole / state_share <= device_bytes <= whole / state_share + 64
+
+
+def test_clipping_is_by_the_global_norm_of_the_summed_gradients():
+  # Clipping each replica's gradient (stock MirroredStrategy's order)
+  # trains another model: the test above would fail on it.
+  reference_losses, reference_weights, _ = _one_device()
+  losses, weights, _ = _train_unclipped_replicas()
+  assert not np.allclose(losses, reference_losses, rtol=1e-6) or not all(
+      np.allclose(a, b, atol=1e-6) for a, b in zip(weights,
+                                                   reference_weights))
+
+
+def _train_unclipped_replicas():
+  """One device, each of 4 quarter-batches clipped on its own first."""
+  model = _create_model()
+  optimizer = keras.optimizers.Adam()
+  loss_object = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=None)
+
+  @tf.function
+  def step(x, y):
+    total_loss, total = 0.0, None
+    for part in range(4):
+      rows = slice(part * 4, part * 4 + 4)
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(loss_object(y[rows], model(x[rows]))) / 16
+      grads, _ = tf.clip_by_global_norm(
+          tape.gradient(loss, model.trainable_variables), 0.5)
+      total = grads if total is None else [a + b for a, b in zip(total,
+                                                                 grads)]
+      total_loss += loss
+    optimizer.apply_gradients(zip(total, model.trainable_variables))
+    return total_loss
+
+  losses = []
+  for _ in range(EPOCHS):
+    values = [float(step(x, y)) for x, y in _dataset()]
+    losses.append(sum(values) / len(values))
+  return losses, [np.asarray(w) for w in model.get_weights()], optimizer
+
+
+def test_zero_needs_the_optimizer_built_before_the_loop():
+  strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}),
+                                        zero=tfpar.ZeRO(stage=1))
+  with pytest.raises(ValueError) as raised:
+    _train(strategy, build_first=False)
+  message = str(raised.value)
+  assert "zero=tfpar.ZeRO(stage=1)" in message
+  assert "optimizer.build(model.trainable_variables)" in message
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_refuses_eager_replica_functions(stage):
+  strategy = tfpar.DataParallelStrategy(tfpar.Mesh({"data": 4}),
+                                        zero=tfpar.ZeRO(stage=stage))
+  with strategy.scope():
+    model = _create_model()
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+
+  def train_step(inputs):
+    x, y = inputs
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+          y, model(x), from_logits=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  batch = next(iter(strategy.experimental_distribute_dataset(_dataset())))
+  before = [np.asarray(w) for w in model.get_weights()]
+  with pytest.raises(ValueError, match=f"tfpar.ZeRO\\(stage={stage}\\) .* "
+                     "run eagerly cannot.* tf.function"):
+    strategy.run(train_step, args=(batch,))  # No tf.function: eager.
+  for got, want in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_strategy_without_custom_loops_refuses_the_optimizer():
+  strategy = tfpar.PipelineParallelStrategy(
+      tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2)
+  with strategy.scope():
+    model = _create_model()
+    optimizer = keras.optimizers.Adam()
+    with pytest.raises(ValueError, match="PipelineParallelStrategy .* "
+                       "custom training loop .* train with fit"):
+      optimizer.build(model.trainable_variables)
