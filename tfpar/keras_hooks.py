@@ -83,7 +83,7 @@ def install_optimizer_adoption():
   (`extended.adopt_optimizer`): a custom training loop's optimizer."""
   def adopt(optimizer, variables):
     strategy = keras_optimizers.distribution_strategy(optimizer)
-    strategy_hooks.of(strategy).adopt_optimizer(optimizer, variables)
+    return strategy_hooks.of(strategy).adopt_optimizer(optimizer, variables)
 
   keras_optimizer_hooks.install_before_first_build(adopt)
 

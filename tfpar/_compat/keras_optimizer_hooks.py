@@ -121,7 +121,8 @@ def install_global_overflow_check():
 def install_before_first_build(before_build):
   """Patches Keras's TensorFlow optimizer so that every optimizer created
   from now on calls `before_build(optimizer, variables)` before it is first
-  built, wherever the build comes from. `before_build` may replace the
+  built, wherever the build comes from; it returns the variables to build
+  for instead, or None (those given). `before_build` may replace the
   optimizer's `build` (ZeRO does): the build then goes to the new one,
   which may call the one it replaced (the class's build runs then). A
   build replaced before (ZeRO's under `fit`) calls this one, which then
@@ -150,7 +151,7 @@ def _wrap_build(optimizer, before_build):
     building.append(True)
     try:
       entry = optimizer.build  # This, or a build that calls it (ZeRO's).
-      before_build(optimizer, variables)
+      variables = before_build(optimizer, variables) or variables
       replaced = optimizer.build is not entry
       return (optimizer.build if replaced else class_build)(variables)
     finally:

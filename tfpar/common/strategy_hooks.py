@@ -49,9 +49,12 @@ class StrategyHooks:
     """Prepares `optimizer`, created in the strategy's scope, before it is
     first built for `variables` (tfpar's Keras hook calls it), as the
     strategy prepares a compiled model's optimizer: what a custom training
-    loop (`strategy.run` with `optimizer.apply_gradients`) needs. A stock
+    loop (`strategy.run` with `optimizer.apply_gradients`) needs. Returns
+    the weights to build it for (`variables`, or those that replaced them
+    when the strategy prepared their model), or None: `variables`. A stock
     strategy is left to Keras."""
     del optimizer, variables
+    return None
 
   def generate_function(self, model):
     """The function keras-hub's `CausalLM.generate` runs for `model`

@@ -133,9 +133,10 @@ class DataParallelExtended(engine_extended.MeshExtended):
       return True
     return getattr(model, "_tfpar_zero_weights", None) is not None
 
-  def adopt_loop_optimizer(self, optimizer, model):
+  def adopt_loop_optimizer(self, optimizer, model, variables):
     """A custom training loop's optimizer clips after the sum over the
     replicas, as one device clips, and is sharded under `zero=`."""
+    del variables
     clipping.clip_after_all_reduce(optimizer)
     if self._zero is not None:
       self._zero.prepare_loop_optimizer(model, optimizer,

@@ -153,26 +153,31 @@ class MeshExtended(variable_placement.VariablePlacement,
   def adopt_optimizer(self, optimizer, variables):
     """An optimizer a model was compiled with is prepared with its model
     (`prepare_model`); any other is a custom training loop's, prepared by
-    `adopt_loop_optimizer`."""
+    `adopt_loop_optimizer`. Returns the weights to build it for when the
+    model's preparation (here, before the build) replaced `variables`."""
     if getattr(self._preparing, "active", False):
-      return  # A twin tfpar builds while it prepares a model.
+      return None  # A twin tfpar builds while it prepares a model.
+    for model in self.registered_models():
+      compiled = getattr(model, "optimizer", None)
+      if any(optimizer is o for o in (
+          compiled, getattr(compiled, "inner_optimizer", None))):
+        return None  # Left to Keras, as before any loop of one's own.
     if not in_replica():
       with self._container_strategy().scope():
         self.prepare_pending_models()
-    model = self.model_of(variables)
-    compiled = getattr(model, "optimizer", None)
-    if compiled is not None and any(
-        optimizer is o for o in (compiled, getattr(compiled,
-                                                   "inner_optimizer", None))):
-      return
-    self.adopt_loop_optimizer(optimizer, model)
+    model, weights = self.model_of(variables)
+    self.adopt_loop_optimizer(optimizer, model, variables)
+    return weights
 
-  def adopt_loop_optimizer(self, optimizer, model):
+  def adopt_loop_optimizer(self, optimizer, model, variables):
     """Prepares `optimizer`, built by a custom training loop to train
-    `model` (None: variables of no model created in the scope, left as
-    they are). Refused here for a model's weights: the data-parallel and
-    tensor-parallel strategies override it."""
-    if model is None:
+    `model` (None: `variables` are not all one model's). Refused here if
+    any of `variables` is (or was, before the model was prepared) a
+    weight of a model created in the scope; other variables are left as
+    they are. The data-parallel and tensor-parallel strategies override
+    it."""
+    if model is None and not any(
+        self.model_of([variable])[0] is not None for variable in variables):
       return
     raise ValueError(
         f"{type(self._container_strategy()).__name__} prepares the "

@@ -59,14 +59,21 @@ class PreparedModels:
       self._preparing.active = False
 
   def model_of(self, variables):
-    """The model created in this strategy's scope whose trainable weights
-    include every one of `variables` (the outermost if several do), or
-    None."""
-    wanted = {id(v) for v in variables}
-    owners = [m for m in self.registered_models()
-              if wanted <= {id(v) for v in m.trainable_variables}]
-    return max(owners, key=lambda m: len(m.trainable_variables),
-               default=None)
+    """(model, its weights for `variables`): the model created in this
+    strategy's scope whose trainable weights include every one of
+    `variables` (the outermost if several do), with those weights in the
+    order of `variables`; or (None, `variables`). A weight its model's
+    preparation replaced (tensor parallelism splits a layer's kernel into a
+    new variable of the same path) is found by its path."""
+    variables = list(variables)
+    models = sorted(self.registered_models(),
+                    key=lambda m: -len(m.trainable_variables))
+    for key in (id, lambda v: getattr(v, "path", None)):
+      for model in models:
+        weights = {key(v): v for v in model.trainable_variables}
+        if all(key(v) in weights for v in variables):
+          return model, [weights[key(v)] for v in variables]
+    return None, variables
 
   def prepares_outermost_first(self):
     """Whether a model holding registered models is prepared before them

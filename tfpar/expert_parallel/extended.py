@@ -28,6 +28,10 @@ class ExpertSplitting:
   def context(self):
     return self._context
 
+  # A custom training loop's optimizer is refused (expert x tensor would
+  # otherwise take tensor parallelism's preparation alone).
+  adopt_loop_optimizer = engine_extended.MeshExtended.adopt_loop_optimizer
+
   def local_replica_ids(self):
     """Global ids of this worker's replicas, in local order."""
     replicas = self._mesh.replicas

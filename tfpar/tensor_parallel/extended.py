@@ -152,9 +152,10 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
         getattr(optimizer, "_tfpar_zero", None) is None):
       self._zero.prepare_fit(model)  # As the callback does at `fit`.
 
-  def adopt_loop_optimizer(self, optimizer, model):
+  def adopt_loop_optimizer(self, optimizer, model, variables):
     """A custom training loop's optimizer works on the model's shards as a
     compiled one does (`_adopt`), and is sharded under `zero=`."""
+    del variables
     if model is None:
       return
     self._adopt(optimizer, model)
