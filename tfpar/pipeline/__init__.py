@@ -3,7 +3,7 @@
 Names load on first use: the planner reads `schedules` without TensorFlow.
 """
 
-import importlib
+from tfpar import lazy_exports
 
 _EXPORTS = {
     "PipelineParallelStrategy": "tfpar.pipeline.strategy",
@@ -16,11 +16,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-  if name in _EXPORTS:
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-  raise AttributeError(f"module 'tfpar.pipeline' has no attribute {name!r}")
-
-
-def __dir__():
-  return __all__
+__getattr__, __dir__ = lazy_exports.lazy_exports(__name__, _EXPORTS)

@@ -17,7 +17,7 @@ Example:
 DP64 + ZeRO-1
 """
 
-import importlib
+from tfpar import lazy_exports
 
 _EXPORTS = {
     "Candidate": "tfpar.planner.result",
@@ -33,11 +33,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-  if name in _EXPORTS:
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-  raise AttributeError(f"module 'tfpar.planner' has no attribute {name!r}")
-
-
-def __dir__():
-  return __all__
+__getattr__, __dir__ = lazy_exports.lazy_exports(__name__, _EXPORTS)
