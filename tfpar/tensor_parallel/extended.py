@@ -203,7 +203,7 @@ class TensorParallelExtended(per_device_extended.PerDeviceExtended):
     # Weights of layers outside the layouts (a head added around a model
     # sharded before) stay whole on every device.
     materialize.materialize_pending(model, self._container_strategy(),
-                               skip=elsewhere)
+                                    skip=elsewhere)
     if self._sequence_parallel:
       sequence_lib.install(model, self._memo.slices)
     dropout_lib.install(model, already, self._memo)
