@@ -8,8 +8,8 @@ TensorFlow reads it. `tfpar launch` drops them from its workers' output and
 says how many it dropped; `tfpar plan --model` drops them from its own.
 `TFPAR_TF_LOGS=1` keeps every line.
 
-Left out: TensorFlow's native INFO lines, absl's banner before them, and
-two warnings that say nothing about the user's job (no CUDA driver on a
+Left out: TensorFlow's INFO lines (native, and its Python logger's
+`INFO:tensorflow:` lines), absl's banner before them, and two warnings that say nothing about the user's job (no CUDA driver on a
 CPU machine; Keras's Python-generator input "will not be optimized").
 Every other warning and error stays.
 
@@ -61,10 +61,12 @@ def is_startup_noise(line):
   >>> is_startup_noise("E0000 00:00:1796031355.9 2 ring_reducer.cc:90] "
   ...                  "Collective timed out")
   False
+  >>> is_startup_noise("INFO:tensorflow:Check health not enabled.")
+  True
   >>> is_startup_noise("Epoch 1/3")
   False
   """
-  if line.startswith(_BANNERS):
+  if line.startswith(_BANNERS) or line.startswith("INFO:tensorflow:"):
     return True
   native = _NATIVE.match(line)
   if native is None:
