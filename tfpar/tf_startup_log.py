@@ -9,9 +9,10 @@ says how many it dropped; `tfpar plan --model` drops them from its own.
 `TFPAR_TF_LOGS=1` keeps every line.
 
 Left out: TensorFlow's INFO lines (native, and its Python logger's
-`INFO:tensorflow:` lines), absl's banner before them, and two warnings that say nothing about the user's job (no CUDA driver on a
-CPU machine; Keras's Python-generator input "will not be optimized").
-Every other warning and error stays.
+`INFO:tensorflow:` lines), absl's banner before them, and two warnings
+that say nothing about the user's job (no CUDA driver on a CPU machine;
+Keras's Python-generator input "will not be optimized"). Every other
+warning and error stays.
 
 No TensorFlow here: the launcher must start fast.
 """
@@ -27,11 +28,12 @@ SHOW_ENV = "TFPAR_TF_LOGS"
 
 # absl's format: severity, MMDD, time, thread id, file:line] message.
 _NATIVE = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ([\w.+-]+):\d+\] (.*)$")
-_BANNERS = (
+_NOISE_PREFIXES = (
     "WARNING: All log messages before absl::InitializeLog() is called are "
     "written to STDERR",
     # The second line of cpu_feature_guard.cc's INFO message.
     "To enable the following instructions:",
+    "INFO:tensorflow:",  # TensorFlow's Python logger.
 )
 _QUIET_WARNINGS = (
     ("cuda_platform.cc", "failed call to cuInit"),
@@ -66,7 +68,7 @@ def is_startup_noise(line):
   >>> is_startup_noise("Epoch 1/3")
   False
   """
-  if line.startswith(_BANNERS) or line.startswith("INFO:tensorflow:"):
+  if line.startswith(_NOISE_PREFIXES):
     return True
   native = _NATIVE.match(line)
   if native is None:

@@ -7,8 +7,8 @@ import numpy as np
 
 from tfpar import bitmap_axis as axis
 from tfpar import bitmap_font as font
-from tfpar.monitor import csv_log
 from tfpar import png
+from tfpar.monitor import csv_log
 
 KIND_COLORS = (("all-reduce", (66, 133, 244)), ("all-gather", (52, 168, 83)),
                ("reduce-scatter", (251, 188, 4)),

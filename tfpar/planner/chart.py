@@ -6,7 +6,8 @@ activations (purple) and gradient accumulators (orange) stacked, the
 memory per device as a red line, the recommended bar framed in black,
 each bar labelled with its layout ("NOT YET" under layouts tfpar cannot
 run yet) and total (red when it does not fit). Drawn with NumPy and
-encoded with `tf.io.encode_png`, so no plotting package is needed.
+encoded by `tfpar.png` (zlib), so neither a plotting package nor
+TensorFlow is needed.
 """
 
 import numpy as np
