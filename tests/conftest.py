@@ -26,18 +26,33 @@ custom_gradients.hold_custom_gradients_on_their_graphs()
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def pytest_collection_modifyitems(config, items):
-  """Under `TFPAR_TEST_SHARE=i/K`, leaves out the costly test files of the
-  other shares (`suite_scope.py`)."""
+_SHARE = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config):
+  """Reads `TFPAR_TEST_SHARE` once (`suite_scope.py`): (i, K), or None for
+  the whole suite. A bad value stops pytest naming the variable, its value
+  and the rule."""
   value = os.environ.get(suite_scope.SHARE_ENV)
-  if not value:
+  share = None
+  if value:
+    commits = (suite_scope.commit_count(_ROOT)
+               if value.startswith(suite_scope.AUTO) else None)
+    try:
+      share = suite_scope.parse_share(value, commits)
+    except ValueError as error:
+      raise pytest.UsageError(str(error)) from error
+  config.stash[_SHARE] = share
+
+
+def pytest_collection_modifyitems(config, items):
+  """Under `TFPAR_TEST_SHARE`, leaves out the costly test files of the
+  other shares."""
+  share = config.stash[_SHARE]
+  if share is None:
     return
-  try:
-    share, shares = suite_scope.parse_share(value)
-  except ValueError as error:
-    raise pytest.UsageError(str(error)) from error
   outside = suite_scope.files_outside_share(
-      share, shares, suite_scope.read_file_seconds())
+      *share, suite_scope.read_file_seconds())
   kept, left_out = [], []
   for item in items:
     path = os.path.relpath(str(item.path), _ROOT)
@@ -47,12 +62,22 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
 
 
-def pytest_report_header():
+def _share_line(config):
   value = os.environ.get(suite_scope.SHARE_ENV)
-  if value:
-    return (f"{suite_scope.SHARE_ENV}={value}: the light test files and "
-            f"share {value} of the costly ones")
-  return None
+  if not value:
+    return None
+  share = config.stash.get(_SHARE, None)
+  if share is None:
+    return (f"{suite_scope.SHARE_ENV}={value}: no git history to choose a "
+            f"share from, so the whole suite")
+  return (f"{suite_scope.SHARE_ENV}={value}: share {share[0]} of "
+          f"{share[1]} of the costly test files, and every light one "
+          f"(without {suite_scope.SHARE_ENV}, the whole suite: "
+          f"docs/testing.md)")
+
+
+def pytest_report_header(config):
+  return _share_line(config)
 
 
 def pytest_collection_finish(session):
@@ -136,3 +161,6 @@ def pytest_terminal_summary(terminalreporter):
       terminalreporter.write_line(f"{total:8.1f} {cpu[path]:8.1f}  {path}")
     terminalreporter.write_line(f"{sum(wall.values()):8.1f} "
                                 f"{sum(cpu.values()):8.1f}  total")
+  share_line = _share_line(terminalreporter.config)
+  if share_line:
+    terminalreporter.write_line(share_line)
