@@ -31,6 +31,8 @@ flags.DEFINE_integer("devices", 4, "Virtual CPUs on a CPU-only host when not "
 flags.DEFINE_integer("epochs", 3, "Training epochs.")
 flags.DEFINE_integer("batch_size", 64, "Global batch size.")
 flags.DEFINE_integer("examples", 4096, "Synthetic examples to generate.")
+flags.DEFINE_integer("seed", 0, "Seed of the model's initial weights "
+                     "(keras.utils.set_random_seed), so a run can be repeated.")
 
 
 def synthetic_classification(examples, features=32, classes=10, seed=0):
@@ -66,6 +68,7 @@ def main(argv):
     x, y, classes = tfds_classification(FLAGS.dataset)
   split = len(x) * 9 // 10
 
+  keras.utils.set_random_seed(FLAGS.seed)
   with strategy.scope():
     model = keras.Sequential([
         keras.Input(x.shape[1:]),

@@ -284,22 +284,109 @@ def _small_moe_model():
   return keras.Model(tokens, keras.layers.Dense(32)(x))
 
 
-REFUSING = {
-    "PipelineParallelStrategy": (lambda: tfpar.PipelineParallelStrategy(
-        tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2),
-                                 _create_model),
-    "ExpertParallelStrategy": (lambda: tfpar.ExpertParallelStrategy(
-        tfpar.Mesh({"data": 2, "tensor": 2}), expert=2), _small_moe_model),
+def _moe_dataset():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 32, size=(64, 8)).astype("int32")
+  targets = rng.integers(0, 32, size=(64, 8)).astype("int64")
+  return tf.data.Dataset.from_tensor_slices((tokens, targets)).batch(
+      GLOBAL_BATCH_SIZE)
+
+
+def _train_moe(strategy, clipnorm):
+  """The guide's loop on `_small_moe_model`, the optimizer built before
+  it; (step losses, weights, model, optimizer)."""
+  with strategy.scope():
+    model = _small_moe_model()
+    optimizer = keras.optimizers.Adam(global_clipnorm=clipnorm)
+    optimizer.build(model.trainable_variables)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None)
+
+  def train_step(inputs):
+    tokens, targets = inputs
+    with tf.GradientTape() as tape:
+      per_example = tf.reduce_mean(
+          loss_object(targets, model(tokens, training=True)), axis=-1)
+      loss = tf.nn.compute_average_loss(per_example,
+                                        global_batch_size=GLOBAL_BATCH_SIZE)
+    gradients = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    return loss
+
+  @tf.function
+  def distributed_train_step(dataset_inputs):
+    return strategy.reduce(tf.distribute.ReduceOp.SUM,
+                           strategy.run(train_step, args=(dataset_inputs,)),
+                           axis=None)
+
+  losses = [float(distributed_train_step(batch)) for _ in range(EPOCHS)
+            for batch in strategy.experimental_distribute_dataset(
+                _moe_dataset())]
+  return losses, [np.asarray(w) for w in model.get_weights()], model, optimizer
+
+
+def _expert_bytes_per_device(variables, suffixes):
+  """{device: bytes} of the expert variables (paths holding "experts")
+  whose paths end with one of `suffixes`, from their components."""
+  held = {}
+  for variable in variables:
+    if "experts" not in variable.path or not variable.path.endswith(
+        suffixes):
+      continue
+    inner = getattr(variable, "value", variable)
+    for component in getattr(inner, "values", (inner,)):
+      held[component.device] = held.get(component.device, 0) + (
+          component.shape.num_elements() * component.dtype.size)
+  return held
+
+
+# (strategy, global_clipnorm, devices sharing each expert group's experts).
+EXPERT_LAYOUTS = {
+    "data 4, expert 2": (lambda: tfpar.ExpertParallelStrategy(
+        tfpar.Mesh({"data": 4}), expert=2), 0.5, 2),
+    # Clipping by norm under expert x tensor is refused (below).
+    "data 2 x tensor 2, expert 2": (lambda: tfpar.ExpertParallelStrategy(
+        tfpar.Mesh({"data": 2, "tensor": 2}), expert=2), None, 4),
 }
 
 
-@pytest.mark.parametrize("name", list(REFUSING))
-def test_a_strategy_without_custom_loops_refuses_the_optimizer(name):
-  make, create_model = REFUSING[name]
-  strategy = make()
+@pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
+def test_the_guides_loop_under_expert_parallelism_trains_as_one_device(
+    layout):
+  make, clipnorm, sharing = EXPERT_LAYOUTS[layout]
+  reference = _train_moe(tf.distribute.get_strategy(), clipnorm)
+  losses, weights, model, optimizer = _train_moe(make(), clipnorm)
+  np.testing.assert_allclose(losses, reference[0], rtol=1e-6)
+  for got, want in zip(weights, reference[1]):
+    np.testing.assert_allclose(got, want, atol=1e-6)
+  # Each device holds 1/sharing of the experts and of their moments.
+  for pick, suffixes in (
+      (lambda model, _: model.trainable_variables, ("kernel",
+                                                    "kernel_experts")),
+      (lambda _, optimizer: optimizer.variables, ("momentum", "velocity"))):
+    whole = sum(_expert_bytes_per_device(pick(*reference[2:]),
+                                         suffixes).values())
+    held = _expert_bytes_per_device(pick(model, optimizer), suffixes)
+    assert whole > 0 and len(held) == 4, (held, whole)
+    assert all(b == whole // sharing for b in held.values()), (held, whole)
+
+
+def test_expert_x_tensor_refuses_a_loops_norm_clipping_as_fit_does():
+  strategy = EXPERT_LAYOUTS["data 2 x tensor 2, expert 2"][0]()
   with strategy.scope():
-    model = create_model()
+    model = _small_moe_model()
+    optimizer = keras.optimizers.Adam(global_clipnorm=0.5)
+    with pytest.raises(ValueError, match="global_clipnorm=0.5: expert x "
+                       "tensor parallelism does not clip by norm"):
+      optimizer.build(model.trainable_variables)
+
+
+def test_a_pipeline_refuses_a_custom_loops_optimizer():
+  strategy = tfpar.PipelineParallelStrategy(
+      tfpar.Mesh({"data": 2, "pipeline": 2}), num_microbatches=2)
+  with strategy.scope():
+    model = _create_model()
     optimizer = keras.optimizers.Adam()
-    with pytest.raises(ValueError, match=f"{name} .* custom training loop "
-                       ".* train with fit"):
+    with pytest.raises(ValueError, match="PipelineParallelStrategy .* "
+                       "custom training loop .* train with fit"):
       optimizer.build(model.trainable_variables)

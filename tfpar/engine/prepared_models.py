@@ -63,16 +63,21 @@ class PreparedModels:
     strategy's scope whose trainable weights include every one of
     `variables` (the outermost if several do), with those weights in the
     order of `variables`; or (None, `variables`). A weight its model's
-    preparation replaced (tensor parallelism splits a layer's kernel into a
-    new variable of the same path) is found by its path."""
+    preparation replaced is found by its path (tensor parallelism splits a
+    layer's kernel into a new variable of the same path; expert
+    parallelism's `<path>_experts` is a shard of the whole weight
+    `<path>`)."""
     variables = list(variables)
     models = sorted(self.registered_models(),
                     key=lambda m: -len(m.trainable_variables))
-    for key in (id, lambda v: getattr(v, "path", None)):
+    for keys in (lambda v: (id(v),), _paths):
       for model in models:
-        weights = {key(v): v for v in model.trainable_variables}
-        if all(key(v) in weights for v in variables):
-          return model, [weights[key(v)] for v in variables]
+        weights = {key: v for v in model.trainable_variables
+                   for key in keys(v)}
+        found = [next((weights[k] for k in keys(v) if k in weights), None)
+                 for v in variables]
+        if all(weight is not None for weight in found):
+          return model, found
     return None, variables
 
   def prepares_outermost_first(self):
@@ -183,3 +188,12 @@ def outermost_first(models):
   holders = {id(model): sum(holds(outer, model) for outer in models)
              for model in models}
   return sorted(models, key=lambda model: holders[id(model)])
+
+
+def _paths(variable):
+  """`variable`'s path and, for a shard a preparation made of a whole
+  weight, the whole weight's."""
+  shard_of = getattr(variable, "_tfpar_shard_of", None)
+  paths = (getattr(variable, "path", None),
+           getattr(shard_of[0], "path", None) if shard_of else None)
+  return tuple(path for path in paths if path is not None)

@@ -28,10 +28,6 @@ class ExpertSplitting:
   def context(self):
     return self._context
 
-  # A custom training loop's optimizer is refused (expert x tensor would
-  # otherwise take tensor parallelism's preparation alone).
-  adopt_loop_optimizer = engine_extended.MeshExtended.adopt_loop_optimizer
-
   def local_replica_ids(self):
     """Global ids of this worker's replicas, in local order."""
     replicas = self._mesh.replicas
@@ -173,6 +169,15 @@ class ExpertParallelExtended(ExpertSplitting, engine_extended.MeshExtended):
       self.split_experts(model)
     if self.is_prepared(model) and getattr(model, "optimizer", None):
       optimizer_lib.adopt(model.optimizer, self._context, clip_model=model)
+
+  def adopt_loop_optimizer(self, optimizer, model, variables):
+    """A custom training loop's optimizer sums the experts' gradients over
+    their expert-data groups and clips by whole weights, as a compiled
+    one does."""
+    if model is None:
+      super().adopt_loop_optimizer(optimizer, model, variables)
+    else:
+      optimizer_lib.adopt(optimizer, self._context, clip_model=model)
 
 
 def check_block(block, expert, tensor=1):

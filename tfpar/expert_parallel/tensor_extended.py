@@ -23,6 +23,7 @@ depends on `communication_dtype`).
 """
 
 from tfpar.common import whole_weights
+from tfpar.engine import extended as engine_extended
 from tfpar.engine import spread
 from tfpar.expert_parallel import context as context_lib
 from tfpar.expert_parallel import extended as expert_extended
@@ -79,11 +80,22 @@ class ExpertTensorParallelExtended(expert_extended.ExpertSplitting,
       self.split_experts(model)
     optimizer = getattr(model, "optimizer", None)
     if self.is_prepared(model) and optimizer is not None:
-      check_clipping(optimizer)
-      self._adopt(optimizer, model)
-      expert_optimizer.adopt(
-          optimizer, self._context,
-          items=lambda: self.tensor_entries(optimizer, model))
+      self._adopt_for(optimizer, model)
+
+  def adopt_loop_optimizer(self, optimizer, model, variables):
+    """A custom training loop's optimizer is prepared as a compiled one."""
+    if model is None:
+      engine_extended.MeshExtended.adopt_loop_optimizer(
+          self, optimizer, model, variables)
+    else:
+      self._adopt_for(optimizer, model)
+
+  def _adopt_for(self, optimizer, model):
+    check_clipping(optimizer)
+    self._adopt(optimizer, model)
+    expert_optimizer.adopt(
+        optimizer, self._context,
+        items=lambda: self.tensor_entries(optimizer, model))
 
   def describe_elsewhere(self, model):
     """{expert weight path: (style, shard shape, devices)} for
