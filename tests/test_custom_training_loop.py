@@ -106,11 +106,18 @@ def _one_device():
 
 
 def _state_bytes_per_device(optimizer):
-  """{device: bytes} of the optimizer's moments, counted from each
-  variable's components (an independent count, not tfpar's report)."""
+  """{device: bytes} of the optimizer's moments."""
+  return _bytes_per_device(
+      optimizer.variables, lambda path: path.endswith(("momentum",
+                                                       "velocity")))
+
+
+def _bytes_per_device(variables, counted):
+  """{device: bytes} of the `variables` whose paths are `counted`, from
+  each variable's components (an independent count, not tfpar's report)."""
   held = {}
-  for variable in optimizer.variables:
-    if not variable.path.endswith(("momentum", "velocity")):
+  for variable in variables:
+    if not counted(variable.path):
       continue
     inner = getattr(variable, "value", variable)
     for component in getattr(inner, "values", (inner,)):
@@ -325,21 +332,6 @@ def _train_moe(strategy, clipnorm):
   return losses, [np.asarray(w) for w in model.get_weights()], model, optimizer
 
 
-def _expert_bytes_per_device(variables, suffixes):
-  """{device: bytes} of the expert variables (paths holding "experts")
-  whose paths end with one of `suffixes`, from their components."""
-  held = {}
-  for variable in variables:
-    if "experts" not in variable.path or not variable.path.endswith(
-        suffixes):
-      continue
-    inner = getattr(variable, "value", variable)
-    for component in getattr(inner, "values", (inner,)):
-      held[component.device] = held.get(component.device, 0) + (
-          component.shape.num_elements() * component.dtype.size)
-  return held
-
-
 # (strategy, global_clipnorm, devices sharing each expert group's experts).
 EXPERT_LAYOUTS = {
     "data 4, expert 2": (lambda: tfpar.ExpertParallelStrategy(
@@ -364,9 +356,11 @@ def test_the_guides_loop_under_expert_parallelism_trains_as_one_device(
       (lambda model, _: model.trainable_variables, ("kernel",
                                                     "kernel_experts")),
       (lambda _, optimizer: optimizer.variables, ("momentum", "velocity"))):
-    whole = sum(_expert_bytes_per_device(pick(*reference[2:]),
-                                         suffixes).values())
-    held = _expert_bytes_per_device(pick(model, optimizer), suffixes)
+    def counted(path, suffixes=suffixes):
+      return "experts" in path and path.endswith(suffixes)
+
+    whole = sum(_bytes_per_device(pick(*reference[2:]), counted).values())
+    held = _bytes_per_device(pick(model, optimizer), counted)
     assert whole > 0 and len(held) == 4, (held, whole)
     assert all(b == whole // sharing for b in held.values()), (held, whole)
 
