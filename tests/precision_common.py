@@ -18,6 +18,7 @@ dtype's epsilon, and carried into the bound of the later steps.
 import contextlib
 import functools
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -28,6 +29,17 @@ EPSILON = {"mixed_float16": 2.0**-10, "mixed_bfloat16": 2.0**-7}
 # fraction of epsilon x that loss (measured: 0.0053 in bfloat16 on an
 # AVX512-BF16 CPU).
 FORWARD_ROUNDING = 0.02
+
+
+@contextlib.contextmanager
+def global_policy(name):
+  """Keras's global dtype policy `name` inside, the previous one after."""
+  previous = keras.mixed_precision.global_policy()
+  keras.mixed_precision.set_global_policy(name)
+  try:
+    yield
+  finally:
+    keras.mixed_precision.set_global_policy(previous)
 
 
 def differences(losses, weights, reference_losses, reference_weights):

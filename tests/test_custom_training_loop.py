@@ -45,12 +45,9 @@ def _train(strategy, build_first=False, policy=None, clipnorm=0.5,
   (`LossScaleOptimizer.scale_loss`); `step_losses`, a list, gets each
   step's loss.
   """
-  keras.mixed_precision.set_global_policy(policy or "float32")
-  try:
+  with precision_common.global_policy(policy or "float32"):
     return _train_in_policy(strategy, build_first, policy, clipnorm,
                             step_losses)
-  finally:
-    keras.mixed_precision.set_global_policy("float32")
 
 
 def _train_in_policy(strategy, build_first, policy, clipnorm, step_losses):

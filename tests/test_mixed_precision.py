@@ -3,7 +3,6 @@ dynamic scale, as Keras's own train_step does; ZeRO-3 gathers weights in the
 compute dtype. Each against one device, within the spread of stock
 MirroredStrategy vs one device measured side by side."""
 
-import contextlib
 import functools
 
 import keras
@@ -16,19 +15,9 @@ import stock_strategies
 import tfpar
 
 
-@contextlib.contextmanager
-def _policy(name):
-  previous = keras.mixed_precision.global_policy()
-  keras.mixed_precision.set_global_policy(name)
-  try:
-    yield
-  finally:
-    keras.mixed_precision.set_global_policy(previous)
-
-
 @pytest.fixture
 def mixed_float16():
-  with _policy("mixed_float16"):
+  with precision_common.global_policy("mixed_float16"):
     yield
 
 
@@ -69,7 +58,7 @@ def _train(strategy, callbacks=None):
 def _one_device_and_mirrored(policy):
   """`_train` under `policy` on one device and under stock Mirrored on 2
   CPUs: the reference and the spread each mixed-policy test is held to."""
-  with _policy(policy):
+  with precision_common.global_policy(policy):
     return _train(None), _train(stock_strategies.mirrored(["/cpu:0",
                                                            "/cpu:1"]))
 
@@ -97,7 +86,7 @@ def test_mixed_float16_pipeline_within_the_spread_of_mirrored(mixed_float16):
 
 def test_zero3_gathers_bfloat16_and_trains_like_mirrored():
   reference, mirrored = _one_device_and_mirrored("mixed_bfloat16")
-  with _policy("mixed_bfloat16"):
+  with precision_common.global_policy("mixed_bfloat16"):
     strategy = _data_two_cpus()
     with tfpar.CommunicationLog() as log:
       zero = _train(strategy, callbacks=[tfpar.ZeRO(stage=3)])
@@ -148,7 +137,7 @@ def _overflowed(layout):
   float16."""
   make_strategy, stage = OVERFLOW_LAYOUTS[layout]
   strategy = make_strategy()
-  with _policy("mixed_float16"):
+  with precision_common.global_policy("mixed_float16"):
     with strategy.scope() if strategy else tf.init_scope():
       model = _chain()
       model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -196,7 +185,7 @@ def test_zero_checkpoint_keeps_the_loss_scale(mixed_float16, tmp_path):
 
 
 def test_zero_refuses_half_precision_weights_before_training():
-  with _policy("float16"):
+  with precision_common.global_policy("float16"):
     strategy = _data_two_cpus()
     with pytest.raises(ValueError, match=r"tfpar.ZeRO shards float32 "
                        r"weights.*b0_in/kernel.*float16"):
